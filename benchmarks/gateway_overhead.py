@@ -1,0 +1,329 @@
+"""What the gateway costs: the same streaming load sent straight to simulated workers and through
+the gateway, in the same run, at several concurrencies.
+
+Direct mode is an ideal zero-cost balancer: stream i always goes to worker i % N, so every worker
+carries exactly the same load. Through the gateway, the gateway routes. Reported per concurrency:
+throughput (output tokens/s and requests/s), TTFT p50/p99 and the gateway/direct ratios, plus the
+gateway's CPU time per relayed SSE event (from /proc).
+
+    python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+CHAT = "/v1/chat/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Sample:
+    sent: float
+    first_token: float | None = None
+    done: float | None = None
+    events: int = 0
+
+
+@dataclass
+class RunResult:
+    mode: str
+    concurrency: int
+    duration_s: float
+    requests: int
+    events: int
+    requests_per_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    errors: int
+    gateway_cpu_s: float | None = None
+    gateway_cpu_us_per_event: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass
+class Window:
+    """The measured interval; tokens are counted when they arrive inside it."""
+
+    start: float
+    stop: float
+    events: int = 0
+
+
+async def one_stream(
+    session: aiohttp.ClientSession, url: str, body: bytes, sample: Sample, window: Window
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url, data=body, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"status {response.status}")
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            if line.startswith(b"data: [DONE]"):
+                break
+            if (
+                sample.first_token is None
+                and b'"content":"' in line
+                and b'"content":""' not in line
+            ):
+                sample.first_token = time.perf_counter()
+            sample.events += 1
+            if window.start <= time.perf_counter() <= window.stop:
+                window.events += 1
+    sample.done = time.perf_counter()
+
+
+async def closed_loop(
+    targets: list[str], concurrency: int, body: bytes, warmup_s: float, duration_s: float
+) -> tuple[list[Sample], int, Window]:
+    """`concurrency` streams, each sending its next request as soon as its last one ended."""
+    samples: list[Sample] = []
+    errors = 0
+    start = time.perf_counter()
+    window = Window(start + warmup_s, start + warmup_s + duration_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async def stream_loop(index: int) -> None:
+        nonlocal errors
+        url = targets[index % len(targets)] + CHAT
+        while time.perf_counter() < window.stop:
+            sample = Sample(sent=time.perf_counter())
+            try:
+                await one_stream(session, url, body, sample, window)
+            except (aiohttp.ClientError, RuntimeError):
+                errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            if window.start <= sample.sent <= window.stop:
+                samples.append(sample)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(stream_loop(i) for i in range(concurrency)))
+    return samples, errors, window
+
+
+def summarise(
+    mode: str, concurrency: int, samples: list[Sample], errors: int, window: Window
+) -> RunResult:
+    ttfts = [(s.first_token - s.sent) * 1000 for s in samples if s.first_token]
+    e2es = [(s.done - s.sent) * 1000 for s in samples if s.done]
+    seconds = window.stop - window.start
+    completed = [s for s in samples if s.done and s.done <= window.stop]
+    return RunResult(
+        mode=mode,
+        concurrency=concurrency,
+        duration_s=seconds,
+        requests=len(completed),
+        events=window.events,
+        requests_per_s=len(completed) / seconds,
+        tokens_per_s=window.events / seconds,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        e2e_p50_ms=percentile(e2es, 50),
+        errors=errors,
+    )
+
+
+class Fleet:
+    """Simulated workers and a gateway, as separate processes (as users run them)."""
+
+    def __init__(self, workers: int, sim_args: list[str], gateway_args: list[str]) -> None:
+        self.worker_urls: list[str] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.sim_args = sim_args
+        self.gateway_args = gateway_args
+        self.count = workers
+        self.gateway_url = ""
+        self.gateway_pid = 0
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "mineru_gateway", *args]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.processes.append(proc)
+        return proc
+
+    def start(self) -> None:
+        for _ in range(self.count):
+            port = free_port()
+            self._spawn(["sim", "--port", str(port), *self.sim_args])
+            self.worker_urls.append(f"http://127.0.0.1:{port}")
+        for url in self.worker_urls:
+            wait_ok(url + "/health")
+        port = free_port()
+        workers = ",".join(self.worker_urls)
+        args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
+        self.gateway_pid = self._spawn(args).pid
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        wait_ok(self.gateway_url + "/ready")
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_ok(url: str, timeout: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
+    body = json.dumps(
+        {
+            "model": args.model,
+            "messages": [{"role": "user", "content": "Benchmark.\nText Recognition:"}],
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
+    ).encode()
+    results = []
+    for concurrency in args.concurrency:
+        for mode in args.modes:
+            targets = fleet.worker_urls if mode == "direct" else [fleet.gateway_url]
+            cpu_before = process_cpu_seconds(fleet.gateway_pid)
+            samples, errors, window = await closed_loop(
+                targets, concurrency, body, args.warmup, args.duration
+            )
+            cpu = process_cpu_seconds(fleet.gateway_pid) - cpu_before
+            result = summarise(mode, concurrency, samples, errors, window)
+            if mode == "gateway":
+                result.gateway_cpu_s = cpu
+                result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
+            results.append(result)
+            print(format_row(result), flush=True)
+            await asyncio.sleep(1.0)  # let workers drain between runs
+    return results
+
+
+def format_row(r: RunResult) -> str:
+    cpu = f"{r.gateway_cpu_us_per_event:.0f} us/event" if r.gateway_cpu_us_per_event else "-"
+    return (
+        f"{r.mode:8s} c={r.concurrency:<4d} {r.requests_per_s:7.1f} req/s "
+        f"{r.tokens_per_s:8.0f} tok/s  TTFT p50 {r.ttft_p50_ms:7.1f} ms p99 "
+        f"{r.ttft_p99_ms:7.1f} ms  errors {r.errors}  gateway cpu {cpu}"
+    )
+
+
+def compare(results: list[RunResult]) -> list[dict[str, Any]]:
+    rows = []
+    by_key = {(r.mode, r.concurrency): r for r in results}
+    for concurrency in sorted({r.concurrency for r in results}):
+        direct, via = by_key.get(("direct", concurrency)), by_key.get(("gateway", concurrency))
+        if not direct or not via:
+            continue
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "throughput_ratio": via.tokens_per_s / direct.tokens_per_s,
+                "requests_ratio": via.requests_per_s / direct.requests_per_s,
+                "added_ttft_p50_ms": via.ttft_p50_ms - direct.ttft_p50_ms,
+                "added_ttft_p99_ms": via.ttft_p99_ms - direct.ttft_p99_ms,
+                "gateway_cpu_us_per_event": via.gateway_cpu_us_per_event,
+            }
+        )
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128, 256]
+    )
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["direct", "gateway"])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default="opendatalab/MinerU2.5-2509-1.2B")
+    parser.add_argument("--time-scale", type=float, default=5.0)
+    parser.add_argument("--gateway-log-level", default="info")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sim_args = ["--time-scale", str(args.time_scale), "--model-name", args.model]
+    fleet = Fleet(args.workers, sim_args, ["--log-level", args.gateway_log_level])
+    fleet.start()
+    try:
+        import uvloop
+
+        results = uvloop.run(measure(args, fleet))
+    finally:
+        fleet.stop()
+    summary = compare(results)
+    for row in summary:
+        print(
+            f"c={row['concurrency']}: gateway/direct throughput {row['throughput_ratio']:.3f}, "
+            f"added TTFT p50 {row['added_ttft_p50_ms']:+.1f} ms, "
+            f"p99 {row['added_ttft_p99_ms']:+.1f} ms"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        document = {
+            "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "runs": [asdict(r) for r in results],
+            "summary": summary,
+        }
+        args.out.write_text(json.dumps(document, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""`python -m mineru_gateway`: the same CLI as the `mineru-gateway` command."""
+
+import sys
+
+from mineru_gateway.cli import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""`create_app(settings)`: the gateway as an ASGI app; all it uses is built in its lifespan."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mineru_gateway import __version__
+from mineru_gateway.api.context import GatewayContext
+from mineru_gateway.api.relay import PATHS, Relay
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker
+from mineru_gateway.routing import make_policy
+from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+
+log = structlog.get_logger("mineru_gateway.app")
+
+
+def build_context(settings: GatewaySettings) -> GatewayContext:
+    client = UpstreamClient(
+        Timeouts(
+            connect_s=settings.connect_timeout_s,
+            first_byte_s=settings.first_byte_timeout_s,
+            idle_s=settings.idle_stream_timeout_s,
+        )
+    )
+    registry = WorkerRegistry(
+        settings.workers,
+        client,
+        make_policy(settings.routing_policy),
+        health_interval_s=settings.health_interval_s,
+        health_timeout_s=settings.health_timeout_s,
+        rng=random.Random(),
+    )
+    return GatewayContext(settings=settings, client=client, registry=registry)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        context = build_context(settings)
+        await context.client.start()
+        await context.registry.start()
+        log.info(
+            "gateway_started",
+            workers=settings.workers,
+            healthy=[w.url for w in context.registry.workers if w.healthy],
+            policy=settings.routing_policy,
+        )
+        try:
+            yield {"gateway": context}
+        finally:
+            await context.registry.stop()
+            await context.client.close()
+
+    app = FastAPI(title="mineru-gateway", version=__version__, lifespan=lifespan)
+    for endpoint, path in PATHS.items():
+        app.router.routes.append(Route(path, Relay(endpoint), methods=["POST"]))
+    _add_control_routes(app)
+    _add_error_handlers(app)
+    return app
+
+
+def _context(request: Request) -> GatewayContext:
+    context: GatewayContext = request.state.gateway
+    return context
+
+
+def _add_control_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the gateway process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        """Readiness: at least one worker can serve."""
+        registry = _context(request).registry
+        if not registry.any_healthy():
+            raise NoHealthyWorker("no healthy worker")
+        healthy = sum(worker.healthy for worker in registry.workers)
+        return _json({"status": "ready", "healthy_workers": healthy})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        """The union of the healthy workers' models, one entry per model id."""
+        registry = _context(request).registry
+        if not registry.any_healthy():
+            raise NoHealthyWorker("no healthy worker to list models from")
+        return _json({"object": "list", "data": registry.models()})
+
+    @app.get("/v1/workers")
+    async def workers(request: Request) -> Response:
+        """Each worker's URL, state, this gateway's load on it and its last error."""
+        registry = _context(request).registry
+        policy = registry.policy.name
+        body = {"policy": policy, "workers": [w.describe() for w in registry.workers]}
+        return _json(body)
+
+
+def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def _error_response(error: GatewayError) -> Response:
+    return _json(error.body(), error.status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, error: GatewayError) -> Response:
+        return _error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        body = GatewayError(str(error.detail)).body()
+        code = HTTPStatus(error.status_code).phrase.lower().replace(" ", "_")
+        body["error"].update(type="invalid_request_error", code=code)
+        return _json(body, error.status_code, error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        return _error_response(InvalidRequest(str(error.errors())))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> Response:
+        # The top-level handler: the one place a bare Exception is caught (STYLE.md).
+        log.exception("unhandled_error", path=request.url.path)
+        return _error_response(GatewayError("internal gateway error"))

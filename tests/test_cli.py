@@ -1,0 +1,99 @@
+"""The CLI as users run it: real processes, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mineru_gateway.cli import build_parser, main, settings_from_args
+from tests.support.servers import CliProcess, free_port, wait_http_ok
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
+
+
+def test_help_documents_every_setting_with_its_environment_variable() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mineru_gateway", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for name in ("WORKERS", "ROUTING_POLICY", "MAX_BODY_BYTES", "FIRST_BYTE_TIMEOUT_S"):
+        assert f"MINERU_GATEWAY_{name}" in result.stdout
+
+
+def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINERU_GATEWAY_WORKERS", "http://a:1, http://b:2/")
+    monkeypatch.setenv("MINERU_GATEWAY_PORT", "31000")
+    args = build_parser().parse_args(["serve", "--port", "32000"])
+    settings = settings_from_args(args)
+    assert settings.workers == ["http://a:1", "http://b:2"]
+    assert settings.port == 32000
+
+
+def test_invalid_settings_exit_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--workers", "ftp://x", "--port", "1"]) == 2
+    assert "worker URL must start with http" in capsys.readouterr().err
+
+
+def test_sim_serves_and_exits_0_on_sigterm() -> None:
+    port = free_port()
+    sim = CliProcess.mineru_gateway("sim", "--port", str(port))
+    proc = sim.start()
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 30, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+
+
+def test_up_serves_through_its_workers_and_stops_them_all_on_ctrl_c(tmp_path: Path) -> None:
+    port, base = free_port(), free_port()
+    up = CliProcess.mineru_gateway(
+        "up",
+        "--workers",
+        "2",
+        "--port",
+        str(port),
+        "--worker-base-port",
+        str(base),
+        "--sim-arg=--time-scale=0.05",
+        "--log-format",
+        "console",
+    )
+    proc = up.start(log_path=str(tmp_path / "up.log"))
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(gateway + "/ready", 60, proc)
+        workers = httpx.get(gateway + "/v1/workers").json()["workers"]
+        assert [w["state"] for w in workers] == ["healthy", "healthy"]
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        response = httpx.post(gateway + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200
+        assert len(processes_mentioning(f"--port {base}")) == 1
+    finally:
+        # Ctrl-C in a terminal signals the whole foreground process group.
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=30)
+        up.close_log()
+    assert code == 0, (tmp_path / "up.log").read_text()[-2000:]
+    assert processes_mentioning(f"--port {base}") == []
+    assert processes_mentioning(f"--port {base + 1}") == []

@@ -1,0 +1,106 @@
+"""The real-vLLM harness itself: start the CPU build on the tiny model, talk to it, stop it cleanly.
+
+One server start (about 20-30 s here); without `make vllm` the test fails with instructions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.vllm_server import (
+    MODEL_ENV,
+    PYTHON_ENV,
+    omp_bind_env,
+    start_vllm_server,
+    vllm_paths_from_env,
+)
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hello, world!"}]
+
+
+def sse_data(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.vllm
+def test_real_vllm_serves_chat_and_stops_cleanly(tmp_path: Path) -> None:
+    python, model_dir = vllm_paths_from_env()
+    server = start_vllm_server(python, model_dir, log_path=str(tmp_path / "vllm.log"))
+    try:
+        server.wait_ready(timeout=150)
+        assert server.url.startswith("http://127.0.0.1:")
+        assert len(server.pids()) >= 3  # API server, engine core, worker (+ resource tracker)
+
+        with httpx.Client(base_url=server.url, timeout=30.0) as client:
+            models = client.get("/v1/models")
+            assert models.status_code == 200
+            assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+
+            body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+            started = time.monotonic()
+            response = client.post(CHAT, json=body)
+            elapsed = time.monotonic() - started
+            assert response.status_code == 200, response.text
+            completion = response.json()
+            assert completion["object"] == "chat.completion"
+            assert completion["model"] == "tiny"
+            [choice] = completion["choices"]
+            assert choice["index"] == 0
+            assert choice["message"]["role"] == "assistant"
+            assert isinstance(choice["message"]["content"], str)
+            assert choice["finish_reason"] in ("length", "stop")
+            usage = completion["usage"]
+            assert 1 <= usage["completion_tokens"] <= 8
+            assert usage["prompt_tokens"] > 0
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+            assert elapsed < 10.0
+
+            stream_body = body | {"stream": True, "stream_options": {"include_usage": True}}
+            with client.stream("POST", CHAT, json=stream_body) as stream:
+                assert stream.status_code == 200
+                assert stream.headers["content-type"].startswith("text/event-stream")
+                data = sse_data(stream)
+        assert data[-1] == "[DONE]"
+        chunks = [json.loads(item) for item in data[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert len({c["id"] for c in chunks}) == 1
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        *token_chunks, usage_chunk = chunks
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"] == {
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+        }
+        assert token_chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in token_chunks)
+        assert streamed == choice["message"]["content"]  # temperature 0: the same tokens
+    finally:
+        code = server.stop()
+
+    assert code is not None
+    assert server.pids() == [], "vLLM left processes behind (engine core or worker)"
+
+
+def test_missing_vllm_fails_with_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    monkeypatch.setenv(MODEL_ENV, "/nonexistent/tiny-qwen2")
+    with pytest.raises(RuntimeError, match="make vllm") as info:
+        vllm_paths_from_env()
+    assert PYTHON_ENV in str(info.value)
+    assert "/nonexistent/tiny-qwen2" in str(info.value)
+
+
+def test_omp_bind_env_gives_servers_disjoint_cores() -> None:
+    binds = [omp_bind_env(i, 2)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(2)]
+    cores = [set(bind.split(",")) for bind in binds]
+    assert all(cores)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not cores[0] & cores[1]
