@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-RoutingPolicyName = Literal["least_inflight", "round_robin"]
+RoutingPolicyName = Literal["queue", "p2c", "least_inflight", "round_robin"]
 LogFormat = Literal["json", "console"]
 
 DEFAULT_PORT = 30000  # the port MinerU's clients already use (DESIGN.md section 5)
@@ -38,7 +38,25 @@ class GatewaySettings(BaseSettings):
         description="Worker base URLs, comma-separated (e.g. http://127.0.0.1:30001).",
     )
     routing_policy: RoutingPolicyName = Field(
-        "least_inflight", description="How a worker is chosen for each request."
+        "queue",
+        description="How a worker is chosen: queue (least estimated load from the gateway's own "
+        "requests and the workers' reported queues), p2c (the better of two random workers by "
+        "the same score), least_inflight, round_robin.",
+    )
+    load_interval_s: float = Field(
+        0.2, gt=0, description="Between two reads of each worker's /metrics (its vLLM queue)."
+    )
+    stale_after_s: float = Field(
+        1.0, gt=0, description="Worker queue figures older than this are ignored for routing."
+    )
+    kv_avoid_above: float = Field(
+        0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."
+    )
+    prefill_weight: float = Field(
+        0.1, ge=0, description="Cost of a prompt token relative to a generated token."
+    )
+    default_decode_tokens: float = Field(
+        256, gt=0, description="Expected answer length before one is learnt for a request class."
     )
     max_body_bytes: int = Field(
         64 * MIB,
@@ -57,14 +75,29 @@ class GatewaySettings(BaseSettings):
     idle_stream_timeout_s: float = Field(
         120.0, gt=0, description="Longest silence between two chunks of a streamed answer."
     )
-    connect_retries: int = Field(
+    max_retries: int = Field(
         2,
         ge=0,
-        description="Other workers to try when a worker cannot be connected to (nothing was sent, "
-        "so retrying is always safe).",
+        description="Other workers to try when a worker cannot be reached or drops a request "
+        "before any byte of its answer reached the client.",
+    )
+    eject_after: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failures (5xx, dropped connections) that take a worker out of "
+        "routing until its next good health check; a refused connection ejects at once.",
     )
     health_interval_s: float = Field(2.0, gt=0, description="Between two health checks.")
     health_timeout_s: float = Field(2.0, gt=0, description="One health check, /health + models.")
+    npu_smi: str = Field(
+        "off",
+        description="NPU telemetry in /metrics: off, auto (npu-smi on PATH), or npu-smi's path.",
+    )
+    npu_smi_interval_s: float = Field(5.0, gt=0, description="Between two npu-smi readings.")
+    npu_devices: str = Field(
+        "",
+        description="Which worker uses which NPU, for the NPU metrics: 0=http://w0:30001,1=...",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 

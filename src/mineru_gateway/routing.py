@@ -1,16 +1,38 @@
 """Routing policies: immutable worker views in, a choice out.
 
 Pure on purpose (STYLE.md): no I/O, no web objects, no clocks. The registry builds a `WorkerView`
-per worker from what it knows (health, the gateway's own in-flight count, models served) and a
-policy picks one. Randomness comes from the caller's `random.Random`, so tests can seed it.
+per worker from what it knows and a policy picks one. Randomness comes from the caller's
+`random.Random`, so tests can seed it.
+
+The load signal (issue 3) combines two sources:
+- the gateway's own in-flight requests and their estimated cost: exact and instant, so consecutive
+  decisions see each other and a burst cannot herd onto one worker;
+- the worker's own queue from its `/metrics` (`vllm:num_requests_waiting`/`running`,
+  `vllm:kv_cache_usage_perc`), a few hundred milliseconds old: the only way to see load this
+  gateway did not send (other gateway replicas, clients calling the worker directly). Requests
+  the worker reports beyond this gateway's own count are priced at the mean request cost.
+A worker whose figures are stale contributes only the gateway's own counts; a worker that reports
+a slower pace (a degraded NPU) has its load scaled by its `slowness`; a nearly full KV cache is
+avoided.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """A worker's own queue, as its `/metrics` said `age_s` seconds ago."""
+
+    waiting: float
+    running: float
+    kv_usage: float
+    age_s: float
+    own_at_scrape: int  # this gateway's in-flight requests on the worker when it was scraped
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +43,10 @@ class WorkerView:
     healthy: bool = True
     in_flight: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
+    own_cost: float = 0.0  # estimated cost of this gateway's in-flight requests on the worker
+    reported: ReportedLoad | None = None
+    unit_cost: float = 1.0  # estimated cost of a request the gateway knows nothing about
+    slowness: float = 1.0  # the worker's pace relative to its peers (2.0: half speed)
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -70,12 +96,88 @@ class RoundRobin:
         return choice
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    policies: dict[str, type[LeastInflight] | type[RoundRobin]] = {
-        LeastInflight.name: LeastInflight,
-        RoundRobin.name: RoundRobin,
-    }
-    try:
-        return policies[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(policies)}") from None
+@dataclass(frozen=True, slots=True)
+class LoadModel:
+    """How a worker's view becomes one number: lower is better."""
+
+    stale_after_s: float = 1.0  # older worker figures are ignored (own counts only)
+    kv_avoid_above: float = 0.95  # such workers are skipped while any other can serve
+    kv_penalty_from: float = 0.8  # from here the score grows, up to 3x at a full cache
+
+    def fresh(self, view: WorkerView) -> ReportedLoad | None:
+        reported = view.reported
+        return reported if reported is not None and reported.age_s <= self.stale_after_s else None
+
+    def score(self, view: WorkerView) -> float:
+        reported = self.fresh(view)
+        external = 0.0
+        kv_factor = 1.0
+        if reported is not None:
+            external = max(0.0, reported.waiting + reported.running - reported.own_at_scrape)
+            over = max(0.0, reported.kv_usage - self.kv_penalty_from)
+            kv_factor += 2.0 * over / (1.0 - self.kv_penalty_from)
+        load = view.own_cost + external * view.unit_cost
+        return load * view.slowness * kv_factor
+
+    def usable(self, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:
+        """Candidates without a nearly full KV cache, or all of them if none is left."""
+        roomy = [
+            view
+            for view in candidates
+            if (reported := self.fresh(view)) is None or reported.kv_usage < self.kv_avoid_above
+        ]
+        return roomy or candidates
+
+
+class QueueLength:
+    """The least loaded worker by `LoadModel.score`; ties broken at random."""
+
+    name = "queue"
+
+    def __init__(self, model: LoadModel | None = None) -> None:
+        self.model = model or LoadModel()
+
+    def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
+        return _lowest(self.model.usable(candidates), self.model.score, rng)
+
+
+class PowerOfTwoChoices:
+    """Two workers drawn at random, the less loaded by `LoadModel.score` wins.
+
+    Cheaper to be wrong with than `queue`: with stale figures it still spreads load, because the
+    draw itself is random.
+    """
+
+    name = "p2c"
+
+    def __init__(self, model: LoadModel | None = None) -> None:
+        self.model = model or LoadModel()
+
+    def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
+        usable = self.model.usable(candidates)
+        drawn = rng.sample(list(usable), 2) if len(usable) > 2 else usable
+        return _lowest(drawn, self.model.score, rng)
+
+
+def _lowest(
+    views: Sequence[WorkerView], score: Callable[[WorkerView], float], rng: random.Random
+) -> WorkerView:
+    scored = [(score(view), view) for view in views]
+    best = min(value for value, _ in scored)
+    # Relative tolerance: float noise must not defeat random tie-breaking.
+    return rng.choice([view for value, view in scored if value <= best * (1 + 1e-9)])
+
+
+POLICY_NAMES = ("queue", "p2c", "least_inflight", "round_robin")
+
+
+def make_policy(name: str, model: LoadModel | None = None) -> RoutingPolicy:
+    if name == QueueLength.name:
+        return QueueLength(model)
+    if name == PowerOfTwoChoices.name:
+        return PowerOfTwoChoices(model)
+    if name == LeastInflight.name:
+        return LeastInflight()
+    if name == RoundRobin.name:
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICY_NAMES)}")

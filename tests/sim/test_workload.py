@@ -3,8 +3,9 @@ import struct
 
 import pytest
 
+from mineru_gateway import prompts
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.sim import workload
-from mineru_gateway.sim.workload import PromptKind
 
 
 def png(width: int, height: int, payload: int = 0) -> bytes:
@@ -36,11 +37,11 @@ def data_url(image: bytes, mime: str = "image/png") -> str:
     ],
 )
 def test_prompt_kind(prompt: str, kind: PromptKind) -> None:
-    assert workload.prompt_kind(prompt) is kind
+    assert prompts.prompt_kind(prompt) is kind
 
 
 def test_layout_page_is_1369_visual_tokens_plus_markers() -> None:
-    assert workload.image_tokens(data_url(png(1036, 1036))) == 1369 + 2
+    assert prompts.image_tokens(data_url(png(1036, 1036))) == 1369 + 2
 
 
 @pytest.mark.parametrize(
@@ -48,42 +49,42 @@ def test_layout_page_is_1369_visual_tokens_plus_markers() -> None:
     [(png(800, 60), (800, 60)), (jpeg(640, 480), (640, 480)), (png(0, 10), None)],
 )
 def test_image_size_from_header(image: bytes, size: tuple[int, int] | None) -> None:
-    assert (workload.png_size(image) or workload.jpeg_size(image)) == size
+    assert (prompts.png_size(image) or prompts.jpeg_size(image)) == size
 
 
 def test_jpeg_without_a_frame_header_is_not_sized() -> None:
     restart_markers = b"\xff\xd8" + b"\xff\xd0" * 8 + b"\xff\xd9"
-    assert workload.jpeg_size(restart_markers) is None
-    assert workload.jpeg_size(b"\xff\xd8" + b"\x00" * 16) is None
-    assert workload.jpeg_size(png(1, 1)) is None
+    assert prompts.jpeg_size(restart_markers) is None
+    assert prompts.jpeg_size(b"\xff\xd8" + b"\x00" * 16) is None
+    assert prompts.jpeg_size(png(1, 1)) is None
 
 
 def test_broken_base64_is_sized_from_its_length() -> None:
-    assert workload.image_size("data:image/png;base64,A===") == workload.size_from_bytes(3)
+    assert prompts.image_size("data:image/png;base64,A===") == prompts.size_from_bytes(3)
 
 
 def test_jpeg_data_url_uses_its_header() -> None:
-    tokens = workload.image_tokens(data_url(jpeg(560, 280), "image/jpeg"))
+    tokens = prompts.image_tokens(data_url(jpeg(560, 280), "image/jpeg"))
     assert tokens == 20 * 10 + 2
 
 
 def test_unknown_format_is_sized_from_its_bytes() -> None:
-    small = workload.image_tokens(data_url(b"GIF89a" + b"\0" * 1000, "image/gif"))
-    large = workload.image_tokens(data_url(b"GIF89a" + b"\0" * 200_000, "image/gif"))
+    small = prompts.image_tokens(data_url(b"GIF89a" + b"\0" * 1000, "image/gif"))
+    large = prompts.image_tokens(data_url(b"GIF89a" + b"\0" * 200_000, "image/gif"))
     assert 4 <= small < large
 
 
 def test_remote_url_counts_as_a_layout_page() -> None:
-    assert workload.image_tokens("https://example.invalid/page.png") == 1369 + 2
+    assert prompts.image_tokens("https://example.invalid/page.png") == 1369 + 2
 
 
 def test_smart_resize_keeps_within_bounds() -> None:
-    assert workload.smart_resize(1036, 1036) == (1036, 1036)
-    width, height = workload.smart_resize(10000, 10000)
-    assert width * height <= workload.IMAGE_MAX_PIXELS
+    assert prompts.smart_resize(1036, 1036) == (1036, 1036)
+    width, height = prompts.smart_resize(10000, 10000)
+    assert width * height <= prompts.IMAGE_MAX_PIXELS
     assert width % 28 == 0 and height % 28 == 0
-    width, height = workload.smart_resize(10, 10)
-    assert width * height >= workload.IMAGE_MIN_PIXELS
+    width, height = prompts.smart_resize(10, 10)
+    assert width * height >= prompts.IMAGE_MIN_PIXELS
 
 
 def test_lengths_are_deterministic_and_depend_on_content() -> None:

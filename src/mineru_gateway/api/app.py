@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -12,6 +13,7 @@ import orjson
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,8 +22,16 @@ from mineru_gateway import __version__
 from mineru_gateway.api.context import GatewayContext
 from mineru_gateway.api.relay import PATHS, Relay
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker
-from mineru_gateway.routing import make_policy
+from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, build_registry
+from mineru_gateway.routing import LoadModel, make_policy
+from mineru_gateway.telemetry import (
+    NpuSmiSource,
+    NpuTelemetry,
+    parse_device_workers,
+    register_npu_metrics,
+)
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -36,23 +46,58 @@ def build_context(settings: GatewaySettings) -> GatewayContext:
             idle_s=settings.idle_stream_timeout_s,
         )
     )
+    metrics = GatewayMetrics()
+    load_model = LoadModel(
+        stale_after_s=settings.stale_after_s, kv_avoid_above=settings.kv_avoid_above
+    )
     registry = WorkerRegistry(
         settings.workers,
         client,
-        make_policy(settings.routing_policy),
+        make_policy(settings.routing_policy, load_model),
         health_interval_s=settings.health_interval_s,
         health_timeout_s=settings.health_timeout_s,
+        load_interval_s=settings.load_interval_s,
+        eject_after=settings.eject_after,
+        cost_model=CostModel(
+            prefill_weight=settings.prefill_weight,
+            default_decode_tokens=settings.default_decode_tokens,
+        ),
+        metrics=metrics,
         rng=random.Random(),
     )
-    return GatewayContext(settings=settings, client=client, registry=registry)
+    return GatewayContext(settings=settings, client=client, registry=registry, metrics=metrics)
+
+
+def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
+    if settings.npu_smi == "off":
+        return None
+    source = NpuSmiSource(None if settings.npu_smi == "auto" else settings.npu_smi)
+    devices = parse_device_workers(settings.npu_devices) if settings.npu_devices else {}
+    return NpuTelemetry(source, interval_s=settings.npu_smi_interval_s, device_workers=devices)
+
+
+def build_metrics_registry(
+    context: GatewayContext, telemetry: NpuTelemetry | None
+) -> CollectorRegistry:
+    collector = GatewayCollector(
+        context.metrics, context.registry.gauges, context.settings.routing_policy
+    )
+    registry = build_registry(collector)
+    if telemetry is not None:
+        register_npu_metrics(registry, telemetry)
+    return registry
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         context = build_context(settings)
+        telemetry = build_telemetry(settings)
+        metrics_registry = build_metrics_registry(context, telemetry)
         await context.client.start()
         await context.registry.start()
+        if telemetry is not None:
+            await telemetry.start()
         log.info(
             "gateway_started",
             workers=settings.workers,
@@ -60,8 +105,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             policy=settings.routing_policy,
         )
         try:
-            yield {"gateway": context}
+            yield {"gateway": context, "metrics_registry": metrics_registry}
         finally:
+            if telemetry is not None:
+                await telemetry.stop()
             await context.registry.stop()
             await context.client.close()
 
@@ -101,12 +148,19 @@ def _add_control_routes(app: FastAPI) -> None:
             raise NoHealthyWorker("no healthy worker to list models from")
         return _json({"object": "list", "data": registry.models()})
 
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
+        registry: CollectorRegistry = request.state.metrics_registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/workers")
     async def workers(request: Request) -> Response:
         """Each worker's URL, state, this gateway's load on it and its last error."""
         registry = _context(request).registry
         policy = registry.policy.name
-        body = {"policy": policy, "workers": [w.describe() for w in registry.workers]}
+        now = time.monotonic()
+        body = {"policy": policy, "workers": [w.describe(now) for w in registry.workers]}
         return _json(body)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import UpstreamClient
 
@@ -14,3 +15,4 @@ class GatewayContext:
     settings: GatewaySettings
     client: UpstreamClient
     registry: WorkerRegistry
+    metrics: GatewayMetrics

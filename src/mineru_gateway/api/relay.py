@@ -2,9 +2,15 @@
 
 It sits below FastAPI's request/response machinery on purpose: every streamed token crosses this
 code, and a raw ASGI relay costs less per event than a framework route with StreamingResponse
-(DESIGN.md section 9). It also gives exact control over the two things users of other gateways
-complain about most: a client that goes away cancels the upstream request at once (streaming or
-not, before or after the first token), and every counter is released in `finally`.
+(DESIGN.md section 9). It also gives exact control over what users of other gateways complain
+about most: a client that goes away cancels the upstream request at once (streaming or not,
+before or after the first token), and every counter is released in `finally`.
+
+Retries: a request is sent to another worker only while nothing of it has reached the client (no
+status line yet): when the worker cannot be connected to, or drops the connection before its first
+byte of answer. Inference has no side effects, so that is always safe; after the first byte, a
+failure ends the stream with an SSE error event instead. Response headers of a stream are held
+until its first chunk, so a worker dying while the request waits in its queue is still retried.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
+import orjson
 import structlog
 
 from mineru_gateway.api.context import GatewayContext
@@ -27,7 +34,14 @@ from mineru_gateway.api.requests import (
     parse_request,
     read_body,
 )
-from mineru_gateway.errors import GatewayError, UpstreamConnectError
+from mineru_gateway.errors import (
+    GatewayError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.workers.registry import Worker
 from mineru_gateway.workers.upstream import UpstreamResponse
 
 Scope = MutableMapping[str, Any]
@@ -36,21 +50,31 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 log = structlog.get_logger("mineru_gateway.access")
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# One streamed token, as vLLM writes it: a chat delta with content, or a completion's text.
+TOKEN_MARKERS: dict[Endpoint, bytes] = {"chat": b'{"content":', "completions": b'"text":'}
+USAGE_MARKER = b'"usage":{'
 
 
 class Exchange:
-    """One client exchange: what has been sent, to whom, and when (for errors, logs, metrics)."""
+    """One client exchange: what has been sent, to whom and when (for errors, logs, metrics)."""
 
-    def __init__(self, send: Send, request_id: str) -> None:
+    def __init__(self, send: Send, request_id: str, endpoint: Endpoint) -> None:
         self._send = send
         self.request_id = request_id
+        self.endpoint = endpoint
         self.status: int | None = None
         self.streaming = False
         self.complete = False
         self.worker: str | None = None
         self.attempts = 0
         self.received = time.perf_counter()
+        self.upstream_sent: float | None = None
         self.first_chunk: float | None = None
+        self.last_chunk = 0.0
+        self.finished: float | None = None
+        self.tokens = 0  # counted from the stream
+        self.usage: dict[str, Any] | None = None
+        self._itl: Series | None = None
 
     async def start(self, status: int, content_type: str) -> None:
         self.status = status
@@ -62,13 +86,25 @@ class Exchange:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
+        now = time.perf_counter()
         if self.first_chunk is None:
-            self.first_chunk = time.perf_counter()
+            self.first_chunk = now
+        elif self._itl is not None:
+            self._itl.observe(now - self.last_chunk)
+        self.last_chunk = now
+        self.tokens += data.count(TOKEN_MARKERS[self.endpoint])
+        if USAGE_MARKER in data:
+            self.usage = _stream_usage(data) or self.usage
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def measure_gaps(self, series: Series) -> None:
+        """From now on, every gap between chunks goes to `series` (inter-token latency)."""
+        self._itl = series
 
     async def finish(self, data: bytes = b"") -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": False})
         self.complete = True
+        self.finished = time.perf_counter()
 
     async def respond(self, status: int, content_type: str, body: bytes) -> None:
         await self.start(status, content_type)
@@ -88,6 +124,16 @@ class Exchange:
             await self.finish()
 
 
+class _Retry(Exception):
+    """The attempt failed before any byte reached the client: another worker may take it."""
+
+    def __init__(self, reason: str, error: UpstreamError, *, eject_now: bool) -> None:
+        super().__init__(str(error))
+        self.reason = reason
+        self.error = error
+        self.eject_now = eject_now
+
+
 class Relay:
     """ASGI endpoint relaying one OpenAI endpoint to a chosen worker."""
 
@@ -98,7 +144,7 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context: GatewayContext = scope["state"]["gateway"]
         headers = dict(scope["headers"])
-        exchange = Exchange(send, _request_id(headers))
+        exchange = Exchange(send, _request_id(headers), self.endpoint)
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
@@ -116,7 +162,7 @@ class Relay:
             outcome = error.code
             await exchange.fail(error)
         finally:
-            _log_exchange(exchange, request, outcome)
+            _record(context, exchange, request, outcome)
 
     async def _proxy(
         self,
@@ -125,39 +171,85 @@ class Relay:
         headers: dict[str, str],
         exchange: Exchange,
     ) -> None:
+        registry = context.registry
+        cost = registry.cost_model.estimate(request.cost)
         tried: list[str] = []
         while True:
-            worker = context.registry.choose(request.model, exclude=tried)
+            worker = registry.choose(request.model, exclude=tried)
             tried.append(worker.url)
-            exchange.attempts = len(tried)
-            with context.registry.lease(worker):
+            exchange.worker, exchange.attempts = worker.url, len(tried)
+            with registry.lease(worker, cost):
                 try:
-                    upstream = await context.client.post(
-                        worker.url + self.path, request.body, headers
+                    await self._attempt(context, worker, request, headers, exchange)
+                except _Retry as failure:
+                    registry.record_failure(
+                        worker, failure.reason, str(failure), at_once=failure.eject_now
                     )
-                except UpstreamConnectError as error:
-                    context.registry.mark_unreachable(worker, error)
-                    if len(tried) > context.settings.connect_retries:
-                        raise
+                    if len(tried) > context.settings.max_retries:
+                        raise failure.error from None
+                    context.metrics.retries.inc(failure.reason)
                     continue
-                exchange.worker = worker.url
-                try:
-                    await _relay_response(upstream, exchange)
-                finally:
-                    upstream.close()
-                return
+            return
+
+    async def _attempt(
+        self,
+        context: GatewayContext,
+        worker: Worker,
+        request: ParsedRequest,
+        headers: dict[str, str],
+        exchange: Exchange,
+    ) -> None:
+        if exchange.upstream_sent is None:
+            exchange.upstream_sent = time.perf_counter()
+            context.metrics.time_to_upstream.series(request.model or "").observe(
+                exchange.upstream_sent - exchange.received
+            )
+        try:
+            upstream = await context.client.post(worker.url + self.path, request.body, headers)
+        except UpstreamConnectError as error:
+            raise _Retry("connect_error", error, eject_now=True) from None
+        try:
+            await _relay_response(upstream, exchange, context.metrics, request)
+        except UpstreamTimeout:
+            raise  # the worker is alive but slow: another would not be faster
+        except UpstreamError as error:
+            if exchange.status is not None:
+                context.registry.record_failure(worker, "stream_broken", str(error), at_once=False)
+                raise
+            raise _Retry("upstream_disconnect", error, eject_now=False) from None
+        finally:
+            upstream.close()
+        if upstream.status >= 500:
+            context.registry.record_failure(
+                worker, "status_5xx", f"answered {upstream.status}", at_once=False
+            )
+        else:
+            context.registry.record_success(worker)
 
 
-async def _relay_response(upstream: UpstreamResponse, exchange: Exchange) -> None:
+async def _relay_response(
+    upstream: UpstreamResponse,
+    exchange: Exchange,
+    metrics: GatewayMetrics,
+    request: ParsedRequest,
+) -> None:
     if upstream.status == 200 and upstream.is_event_stream:
-        await exchange.start(200, upstream.content_type)
         async for chunk in upstream.iter_chunks():
+            if exchange.status is None:
+                await exchange.start(200, upstream.content_type)
+                exchange.measure_gaps(
+                    metrics.itl.series(request.model or "", exchange.worker or "")
+                )
             await exchange.chunk(chunk)
+        if exchange.status is None:
+            await exchange.start(200, upstream.content_type)
         await exchange.finish()
     else:
         # Non-streaming answers and worker errors (a vLLM 400 for a too-long prompt, say) are
         # passed back with the worker's own status and body.
         body = await upstream.read()
+        if upstream.status == 200:
+            exchange.usage = _body_usage(body)
         await exchange.respond(upstream.status, upstream.content_type, body)
 
 
@@ -166,8 +258,8 @@ async def _until_done_or_disconnect(
 ) -> None:
     """Runs `work`, cancelling it the moment the client disconnects.
 
-    Cancelling closes the upstream connection (in `_proxy`'s `finally`), which is what makes vLLM
-    abort the generation and free its KV cache.
+    Cancelling closes the upstream connection (in `_attempt`'s `finally`), which is what makes
+    vLLM abort the generation and free its KV cache.
     """
     work_task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
@@ -188,6 +280,57 @@ async def _until_done_or_disconnect(
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _body_usage(body: bytes) -> dict[str, Any] | None:
+    try:
+        usage = orjson.loads(body).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _stream_usage(data: bytes) -> dict[str, Any] | None:
+    """The usage object of the SSE event in `data` that carries one (vLLM's last chunk)."""
+    for event in data.split(b"\n\n"):
+        if USAGE_MARKER in event and event.startswith(b"data: "):
+            usage = _body_usage(event[6:])
+            if usage is not None:
+                return usage
+    return None
+
+
+def _record(
+    context: GatewayContext, exchange: Exchange, request: ParsedRequest | None, outcome: str
+) -> None:
+    metrics = context.metrics
+    # Unknown model names stay out of the labels: clients must not be able to grow the series.
+    model = (request.model or "") if request and outcome != "model_not_found" else ""
+    worker = exchange.worker or ""
+    status = str(exchange.status) if exchange.status is not None else "499"
+    metrics.requests.inc(exchange.endpoint, model, worker, status, outcome)
+    if exchange.finished is not None:
+        metrics.e2e.series(model, worker).observe(exchange.finished - exchange.received)
+    if exchange.streaming and exchange.first_chunk is not None:
+        metrics.ttft.series(model, worker).observe(exchange.first_chunk - exchange.received)
+    completion = _completion_tokens(exchange)
+    if exchange.usage is not None:
+        prompt = exchange.usage.get("prompt_tokens")
+        if isinstance(prompt, int):
+            metrics.prompt_tokens.inc(model, worker, amount=prompt)
+    if completion:
+        metrics.completion_tokens.inc(model, worker, amount=completion)
+    if request is not None and outcome == "ok" and exchange.status == 200:
+        context.registry.cost_model.learn(request.cost, completion)
+    _log_exchange(exchange, request, outcome)
+
+
+def _completion_tokens(exchange: Exchange) -> int:
+    if exchange.usage is not None:
+        tokens = exchange.usage.get("completion_tokens")
+        if isinstance(tokens, int):
+            return tokens
+    return exchange.tokens
 
 
 def _request_id(headers: dict[bytes, bytes]) -> str:

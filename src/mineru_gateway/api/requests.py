@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 import orjson
 
+from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
+from mineru_gateway.prompts import estimate_chat, estimate_completion
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Endpoint = Literal["chat", "completions"]
@@ -25,6 +27,7 @@ class ParsedRequest:
     body: bytes
     model: str | None
     stream: bool
+    cost: CostInputs
 
 
 class ClientDisconnected(Exception):
@@ -63,19 +66,34 @@ def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
     if endpoint == "chat":
-        _check_messages(payload.get("messages"))
+        prompt = estimate_chat(_check_messages(payload.get("messages")))
     else:
         _check_prompt(payload.get("prompt"))
+        prompt = estimate_completion(payload.get("prompt"))
     model = payload.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("`model` must be a string", param="model")
     stream = payload.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise InvalidRequest("`stream` must be a boolean", param="stream")
-    return ParsedRequest(endpoint, body, model, bool(stream))
+    cost = CostInputs(
+        model or "",
+        prompt,
+        _max_tokens(payload),
+        payload.get("ignore_eos") is True,
+    )
+    return ParsedRequest(endpoint, body, model, bool(stream), cost)
 
 
-def _check_messages(messages: Any) -> None:
+def _max_tokens(payload: dict[str, Any]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _check_messages(messages: Any) -> list[Any]:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("`messages` must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
@@ -84,6 +102,7 @@ def _check_messages(messages: Any) -> None:
                 f"`messages[{index}]` must be an object with a string `role`",
                 param=f"messages.{index}",
             )
+    return messages
 
 
 def _check_prompt(prompt: Any) -> None:

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from mineru_gateway import prompts
 from mineru_gateway.sim import protocol, workload
 from mineru_gateway.sim.config import SimConfig
 from mineru_gateway.sim.engine import EngineLoop, RequestState, Scheduler, SimRequest
@@ -153,7 +154,7 @@ class CompletionEndpoint:
         send: Send,
         request: SimRequest,
         meta: ResponseMeta,
-        kind: workload.PromptKind,
+        kind: prompts.PromptKind,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
         while not request.done:

@@ -14,8 +14,9 @@ from typing import Any
 
 import orjson
 
+from mineru_gateway import prompts
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.sim import workload
-from mineru_gateway.sim.workload import PromptKind
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _SENTINEL = "@@sim-token-text@@"
@@ -92,7 +93,7 @@ def parse_request(raw: bytes, chat: bool, seed: int) -> ParsedRequest:
         chat=chat,
         model=_field(body, "model", str),
         prompt_tokens=max(1, tokens),
-        kind=workload.prompt_kind("\n".join(texts)),
+        kind=prompts.prompt_kind("\n".join(texts)),
         seed=workload.content_seed(parts, seed),
         max_tokens=_max_tokens(body, chat),
         min_tokens=_int_field(body, "min_tokens", 0),
@@ -168,7 +169,7 @@ def _forced_output_tokens(body: dict[str, Any]) -> int | None:
 
 def _chat_prompt(messages: list[Any]) -> tuple[int, list[str], list[str]]:
     """Prompt tokens, content to seed from, and the texts (to recognise MinerU's prompts)."""
-    tokens = workload.chat_overhead_tokens(len(messages))
+    tokens = prompts.chat_overhead_tokens(len(messages))
     parts: list[str] = []
     texts: list[str] = []
     for index, message in enumerate(messages):
@@ -187,7 +188,7 @@ def _content_tokens(content: object, loc: str, parts: list[str], texts: list[str
     if isinstance(content, str):
         parts.append(content)
         texts.append(content)
-        return workload.text_tokens(content)
+        return prompts.text_tokens(content)
     if not isinstance(content, list):
         raise validation_error(
             f"{loc}.content", "list_type", "Input should be a valid list", content
@@ -205,11 +206,11 @@ def _part_tokens(part: object, loc: str, parts: list[str], texts: list[str]) -> 
         text = _field(part, "text", str, required=True, loc=loc)
         parts.append(text)
         texts.append(text)
-        return workload.text_tokens(text)
+        return prompts.text_tokens(text)
     if kind == "image_url":
         url = _image_url(part, loc)
         parts.append(url)
-        return workload.image_tokens(url)
+        return prompts.image_tokens(url)
     return 0  # audio, video, files: not part of MinerU's traffic
 
 
@@ -226,7 +227,7 @@ def _completion_prompt(prompt: object) -> tuple[int, list[str], list[str]]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return workload.text_tokens(prompt), [prompt], [prompt]
+        return prompts.text_tokens(prompt), [prompt], [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt), [repr(prompt)], []
     if prompt is None:

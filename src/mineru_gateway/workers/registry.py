@@ -1,8 +1,13 @@
-"""The live set of workers: their health, the models they serve, and this gateway's load on them.
+"""The live set of workers: their health, the models they serve, and the load on them.
 
 Health is learnt two ways: an active probe (`GET /health`, then `GET /v1/models`) every
-`health_interval_s`, and passively: a worker that cannot be connected to is taken out of routing at
-once and comes back on its next good probe.
+`health_interval_s`, and passively: a worker that cannot be connected to, or answers 5xx or drops
+connections `eject_after` times in a row, is taken out of routing and comes back on its next good
+probe.
+
+Load is learnt two ways too (issue 3): the gateway's own in-flight requests and their estimated
+cost, updated instantly by `lease`, and the worker's own queue read from its `/metrics` every
+`load_interval_s`. `views()` hands both to the routing policy.
 """
 
 from __future__ import annotations
@@ -10,18 +15,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker
-from mineru_gateway.routing import RoutingPolicy, WorkerView, candidates_for
+from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
+from mineru_gateway.routing import ReportedLoad, RoutingPolicy, WorkerView, candidates_for
 from mineru_gateway.workers.upstream import UpstreamClient
+from mineru_gateway.workers.vllm_metrics import VllmLoad, parse_vllm_load
 
 log = structlog.get_logger("mineru_gateway.registry")
+
+SLOWNESS_BOUNDS = (0.25, 8.0)
+ITL_SMOOTHING = 0.3
+
+
+@dataclass(slots=True)
+class Scrape:
+    """One reading of a worker's `/metrics`, with this gateway's own count at that moment."""
+
+    load: VllmLoad
+    at: float  # time.monotonic()
+    own_in_flight: int
 
 
 @dataclass(slots=True)
@@ -31,19 +52,38 @@ class Worker:
     url: str
     healthy: bool = False
     in_flight: int = 0
+    own_cost: float = 0.0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_error: str | None = None
     last_checked: float | None = None
+    failures: int = 0  # consecutive passive failures
+    scrape: Scrape | None = None
+    itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
 
-    def view(self) -> WorkerView:
-        return WorkerView(self.url, self.healthy, self.in_flight, frozenset(self.models))
+    def reported(self, now: float) -> ReportedLoad | None:
+        if self.scrape is None:
+            return None
+        scrape, load = self.scrape, self.scrape.load
+        age = now - scrape.at
+        return ReportedLoad(load.waiting, load.running, load.kv_usage, age, scrape.own_in_flight)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, now: float) -> dict[str, Any]:
+        reported = self.reported(now)
         return {
             "url": self.url,
             "state": "healthy" if self.healthy else "unhealthy",
             "in_flight": self.in_flight,
+            "estimated_cost": round(self.own_cost, 1),
             "models": sorted(self.models),
+            "reported": None
+            if reported is None
+            else {
+                "waiting": reported.waiting,
+                "running": reported.running,
+                "kv_cache_usage": reported.kv_usage,
+                "age_s": round(reported.age_s, 3),
+            },
+            "inter_token_latency_s": self.itl_s,
             "last_error": self.last_error,
             "last_checked": self.last_checked,
         }
@@ -58,15 +98,23 @@ class WorkerRegistry:
         *,
         health_interval_s: float,
         health_timeout_s: float,
+        load_interval_s: float = 0.2,
+        eject_after: int = 3,
+        cost_model: CostModel | None = None,
+        metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._workers = {url: Worker(url) for url in urls}
         self._client = client
         self.policy = policy
+        self.cost_model = cost_model or CostModel()
+        self.metrics = metrics or GatewayMetrics()
         self._interval = health_interval_s
         self._timeout = health_timeout_s
+        self._load_interval = load_interval_s
+        self._eject_after = eject_after
         self._rng = rng or random.Random()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- membership -------------------------------------------------------------------------
     @property
@@ -82,12 +130,41 @@ class WorkerRegistry:
         self._workers.pop(url, None)
 
     # -- routing --------------------------------------------------------------------------
+    def views(self) -> list[WorkerView]:
+        now = time.monotonic()
+        slowness = self._slowness()
+        unit_cost = self.cost_model.mean_cost
+        return [
+            WorkerView(
+                name=worker.url,
+                healthy=worker.healthy,
+                in_flight=worker.in_flight,
+                models=frozenset(worker.models),
+                own_cost=worker.own_cost,
+                reported=worker.reported(now),
+                unit_cost=unit_cost,
+                slowness=slowness.get(worker.url, 1.0),
+            )
+            for worker in self._workers.values()
+        ]
+
+    def _slowness(self) -> dict[str, float]:
+        """Each worker's reported inter-token latency against the median of its healthy peers."""
+        paces = {w.url: w.itl_s for w in self._workers.values() if w.healthy and w.itl_s}
+        if len(paces) < 2:
+            return {}
+        median = statistics.median(paces.values())
+        low, high = SLOWNESS_BOUNDS
+        return {url: min(high, max(low, pace / median)) for url, pace in paces.items() if pace}
+
     def choose(self, model: str | None, exclude: Iterable[str] = ()) -> Worker:
-        views = [worker.view() for worker in self._workers.values()]
+        views = self.views()
         candidates = candidates_for(views, model, exclude)
         if not candidates:
             raise self._why_no_candidate(views, model)
-        return self._workers[self.policy.choose(candidates, self._rng).name]
+        chosen = self._workers[self.policy.choose(candidates, self._rng).name]
+        self.metrics.routing_decisions.inc(self.policy.name, chosen.url)
+        return chosen
 
     def _why_no_candidate(self, views: list[WorkerView], model: str | None) -> GatewayError:
         healthy = [view for view in views if view.healthy]
@@ -100,21 +177,30 @@ class WorkerRegistry:
         return NoHealthyWorker("no healthy worker is available for this request; retry later")
 
     @contextlib.contextmanager
-    def lease(self, worker: Worker) -> Iterator[Worker]:
-        """Counts a request in flight on `worker` for the block's duration, whatever happens."""
+    def lease(self, worker: Worker, cost: float) -> Iterator[Worker]:
+        """Counts a request and its cost on `worker` for the block's duration, whatever happens."""
         worker.in_flight += 1
+        worker.own_cost += cost
         try:
             yield worker
         finally:
             worker.in_flight -= 1
+            worker.own_cost = max(0.0, worker.own_cost - cost) if worker.in_flight else 0.0
 
-    def mark_unreachable(self, worker: Worker, error: BaseException) -> None:
-        """Passive ejection: no new work until the next good probe."""
-        if worker.healthy:
-            log.warning("worker_ejected", worker=worker.url, error=str(error))
-        worker.healthy = False
-        worker.last_error = str(error)
+    # -- passive health -------------------------------------------------------------------
+    def record_failure(self, worker: Worker, reason: str, error: str, *, at_once: bool) -> None:
+        """A connection failure, a 5xx or a dropped stream; `at_once` ejects without counting."""
+        worker.failures += 1
+        worker.last_error = error
+        if worker.healthy and (at_once or worker.failures >= self._eject_after):
+            worker.healthy = False
+            self.metrics.ejections.inc(worker.url, reason)
+            log.warning("worker_ejected", worker=worker.url, reason=reason, error=error)
 
+    def record_success(self, worker: Worker) -> None:
+        worker.failures = 0
+
+    # -- what the rest of the gateway reads ----------------------------------------------
     def models(self) -> list[dict[str, Any]]:
         """The union of healthy workers' model cards, one per model id."""
         union: dict[str, dict[str, Any]] = {}
@@ -127,7 +213,25 @@ class WorkerRegistry:
     def any_healthy(self) -> bool:
         return any(worker.healthy for worker in self._workers.values())
 
-    # -- health ---------------------------------------------------------------------------
+    def gauges(self) -> list[WorkerGauges]:
+        now = time.monotonic()
+        gauges = []
+        for worker in self._workers.values():
+            reported = worker.reported(now)
+            gauges.append(
+                WorkerGauges(
+                    worker=worker.url,
+                    healthy=worker.healthy,
+                    in_flight=worker.in_flight,
+                    waiting=reported.waiting if reported else None,
+                    running=reported.running if reported else None,
+                    kv_usage=reported.kv_usage if reported else None,
+                    scrape_age_s=reported.age_s if reported else None,
+                )
+            )
+        return gauges
+
+    # -- active probes --------------------------------------------------------------------
     async def check(self, worker: Worker) -> None:
         try:
             await self._client.get_ok(f"{worker.url}/health", self._timeout)
@@ -139,6 +243,7 @@ class WorkerRegistry:
             self._set_health(worker, False, f"unexpected /v1/models answer: {exc!r}")
         else:
             worker.models = models
+            worker.failures = 0
             self._set_health(worker, True, None)
         worker.last_checked = time.time()
 
@@ -153,19 +258,56 @@ class WorkerRegistry:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(worker) for worker in self.workers))
 
+    async def read_load(self, worker: Worker) -> None:
+        own = worker.in_flight
+        try:
+            text = await self._client.get_ok(f"{worker.url}/metrics", self._load_timeout)
+        except GatewayError:
+            return  # the figures age; past `stale_after_s` routing ignores them
+        load = parse_vllm_load(text)
+        if load is None:
+            return
+        self._learn_pace(worker, load)
+        worker.scrape = Scrape(load, time.monotonic(), own)
+
+    @property
+    def _load_timeout(self) -> float:
+        return max(1.0, 4 * self._load_interval)
+
+    def _learn_pace(self, worker: Worker, load: VllmLoad) -> None:
+        previous = worker.scrape
+        if previous is None:
+            return
+        tokens = load.itl_count - previous.load.itl_count
+        if tokens <= 0:
+            return  # idle, or the worker restarted: keep what was learnt
+        itl = (load.itl_sum - previous.load.itl_sum) / tokens
+        if worker.itl_s is None:
+            worker.itl_s = itl
+        else:
+            worker.itl_s += ITL_SMOOTHING * (itl - worker.itl_s)
+
+    async def read_all_loads(self) -> None:
+        await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
+
     async def start(self) -> None:
         """Probes every worker once (so the first requests find them), then keeps probing."""
         await self.check_all()
-        self._task = asyncio.create_task(self._probe_forever(), name="worker-health")
+        self._tasks = [
+            asyncio.create_task(_every(self._interval, self.check_all), name="worker-health"),
+            asyncio.create_task(_every(self._load_interval, self.read_all_loads), name="load"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
 
-    async def _probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            await self.check_all()
+
+async def _every(interval_s: float, action: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await action()

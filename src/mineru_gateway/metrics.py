@@ -1,0 +1,270 @@
+"""The gateway's Prometheus metrics, on the app's own registry.
+
+Names follow Prometheus conventions under `mineru_gateway_` and never reuse vLLM's `vllm:` names,
+so gateway and worker series cannot collide (DESIGN.md section 8, item 6). Latencies follow
+`vllm bench serve`'s definitions (DESIGN.md section 3), measured at the gateway: TTFT is send to
+the first streamed chunk, ITL every gap between chunks, E2E send to the last byte.
+
+Recording must cost the hot path nothing measurable: every token of every stream crosses the relay.
+So counters and histograms here are plain Python numbers updated without locks (everything runs on
+the one event loop thread) and turned into metric families only when `/metrics` is scraped; gauges
+that describe workers are read from the registry at scrape time rather than kept up to date.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from mineru_gateway import __version__
+
+# 5 ms to 10 minutes: TTFT ranges from milliseconds to a full queue, E2E to MinerU's 600 s timeout.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 450.0, 600.0,
+)  # fmt: skip
+# Inter-token gaps are short: resolve the single milliseconds too.
+ITL_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS)
+# The gateway's own share: sub-millisecond when healthy.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
+
+Labels = tuple[str, ...]
+
+
+class Histogram:
+    """A labelled histogram kept as plain lists: `observe` is a bisect and two additions."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]):
+        self.name, self.doc, self.labels = name, doc, tuple(labels)
+        self.buckets = tuple(buckets)
+        self._series: dict[Labels, Series] = {}
+
+    def series(self, *values: str) -> Series:
+        """The series for these label values; callers keep it for a request's lifetime."""
+        found = self._series.get(values)
+        if found is None:
+            found = self._series[values] = Series(self.buckets)
+        return found
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, series in self._series.items():
+            cumulative, running = [], 0
+            for bound, count in zip((*self.buckets, float("inf")), series.counts, strict=True):
+                running += count
+                cumulative.append((_bound(bound), running))
+            family.add_metric(list(values), cumulative, series.total)
+        return family
+
+
+class Series:
+    __slots__ = ("buckets", "counts", "total")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
+class Counter:
+    """A labelled counter kept as a dict of floats."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+        self.name, self.doc, self.labels = name, doc, tuple(labels)
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, *values: str, amount: float = 1.0) -> None:
+        self.values[values] = self.values.get(values, 0.0) + amount
+
+    def collect(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for values, total in self.values.items():
+            family.add_metric(list(values), total)
+        return family
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGauges:
+    """What the registry knows of one worker at scrape time."""
+
+    worker: str
+    healthy: bool
+    in_flight: int
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+    scrape_age_s: float | None
+
+
+@dataclass
+class GatewayMetrics:
+    """Every metric the gateway records itself; built per app, exported by `GatewayCollector`."""
+
+    requests: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_requests",
+            "Requests finished, by endpoint, model, worker, HTTP status and outcome.",
+            ("endpoint", "model", "worker", "status", "outcome"),
+        )
+    )
+    ttft: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_time_to_first_token_seconds",
+            "From receiving a streaming request to relaying its first chunk.",
+            ("model", "worker"),
+            LATENCY_BUCKETS,
+        )
+    )
+    itl: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_inter_token_latency_seconds",
+            "Every gap between two relayed chunks of a stream.",
+            ("model", "worker"),
+            ITL_BUCKETS,
+        )
+    )
+    e2e: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_e2e_request_latency_seconds",
+            "From receiving a request to sending its last byte.",
+            ("model", "worker"),
+            LATENCY_BUCKETS,
+        )
+    )
+    time_to_upstream: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_time_to_upstream_seconds",
+            "Time spent in the gateway before the request was sent to a worker.",
+            ("model",),
+            OVERHEAD_BUCKETS,
+        )
+    )
+    prompt_tokens: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_prompt_tokens",
+            "Prompt tokens of finished requests (from usage).",
+            ("model", "worker"),
+        )
+    )
+    completion_tokens: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_completion_tokens",
+            "Completion tokens (from usage, or counted from the stream without it).",
+            ("model", "worker"),
+        )
+    )
+    routing_decisions: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_routing_decisions",
+            "Workers chosen, by routing policy.",
+            ("policy", "worker"),
+        )
+    )
+    retries: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_retries",
+            "Requests sent again to another worker, by reason.",
+            ("reason",),
+        )
+    )
+    ejections: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_worker_ejections",
+            "Workers taken out of routing by passive health checks, by reason.",
+            ("worker", "reason"),
+        )
+    )
+
+    def own(self) -> Iterable[Counter | Histogram]:
+        return (
+            self.requests,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.time_to_upstream,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.routing_decisions,
+            self.retries,
+            self.ejections,
+        )
+
+
+class GatewayCollector(Collector):
+    """Exports `GatewayMetrics` plus worker gauges read from the registry at scrape time."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        workers: Callable[[], Iterable[WorkerGauges]],
+        policy: str,
+    ) -> None:
+        self._metrics = metrics
+        self._workers = workers
+        self._policy = policy
+        self._started = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        doc = "Gateway version and routing policy."
+        info = GaugeMetricFamily("mineru_gateway_info", doc, labels=["version", "policy"])
+        info.add_metric([__version__, self._policy], 1)
+        yield info
+        start = GaugeMetricFamily(
+            "mineru_gateway_start_time_seconds", "When this gateway process started (Unix time)."
+        )
+        start.add_metric([], self._started)
+        yield start
+        for metric in self._metrics.own():
+            yield metric.collect()
+        yield from _worker_families(list(self._workers()))
+
+
+_WORKER_GAUGES: tuple[tuple[str, str, Callable[[WorkerGauges], float | None]], ...] = (
+    ("healthy", "1 when the worker takes traffic.", lambda w: float(w.healthy)),
+    ("requests_in_flight", "Requests this gateway has on the worker.", lambda w: w.in_flight),
+    ("waiting_requests", "vllm:num_requests_waiting as last scraped.", lambda w: w.waiting),
+    ("running_requests", "vllm:num_requests_running as last scraped.", lambda w: w.running),
+    ("kv_cache_usage_ratio", "vllm:kv_cache_usage_perc as last scraped.", lambda w: w.kv_usage),
+    ("load_scrape_age_seconds", "Age of the load figures above.", lambda w: w.scrape_age_s),
+)
+
+
+def _worker_families(workers: list[WorkerGauges]) -> Iterator[Metric]:
+    for suffix, doc, read in _WORKER_GAUGES:
+        name = (
+            "mineru_gateway_requests_in_flight"
+            if suffix == "requests_in_flight"
+            else f"mineru_gateway_worker_{suffix}"
+        )
+        family = GaugeMetricFamily(name, doc, labels=["worker"])
+        for worker in workers:
+            value = read(worker)
+            if value is not None:
+                family.add_metric([worker.worker], value)
+        yield family
+
+
+def build_registry(collector: Collector, *extra: Collector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    for item in (collector, *extra):
+        registry.register(item)
+    return registry

@@ -1,0 +1,186 @@
+"""How many tokens a MinerU prompt costs, and which MinerU task it asks for. Pure.
+
+Shared by the gateway (to estimate a request's cost for routing) and the simulator (to charge
+prefill time). Prompt tokens follow Qwen2-VL, MinerU2.5's architecture: text at ~4 characters a
+token plus the chat template's markers, and each image resized to multiples of 28 pixels (14-pixel
+patches merged 2x2) giving one visual token per 28x28 cell, so MinerU's 1036x1036 layout page is
+37x37 = 1369 tokens. Image sizes are read from the PNG or JPEG header inside the data URL; other
+images are sized from their byte count.
+"""
+
+from __future__ import annotations
+
+import binascii
+import enum
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+PATCH_PIXELS = 28  # Qwen2-VL: 14-pixel patches, merged 2x2 into one token
+IMAGE_MIN_PIXELS = 4 * PATCH_PIXELS * PATCH_PIXELS
+# Assumed: large enough for MinerU's 1036x1036 layout page to keep its size (1369 tokens).
+IMAGE_MAX_PIXELS = 2048 * PATCH_PIXELS * PATCH_PIXELS
+IMAGE_MARKER_TOKENS = 2  # <|vision_start|> and <|vision_end|>
+DEFAULT_IMAGE_SIDE = 1036  # a remote image URL is not fetched: assume a layout page
+PIXELS_PER_BYTE = 4.0  # rough PNG/JPEG compression of scanned document pages
+CHARS_PER_TOKEN = 4
+MESSAGE_TOKENS = 5  # <|im_start|>, role, newline, <|im_end|>, newline
+GENERATION_PROMPT_TOKENS = 3  # <|im_start|>assistant newline
+HEADER_BASE64_CHARS = 64 * 1024  # enough to reach a JPEG's SOF marker after EXIF and tables
+
+
+class PromptKind(enum.Enum):
+    LAYOUT = "layout"
+    TEXT = "text"
+    TABLE = "table"
+    FORMULA = "formula"
+    OTHER = "other"
+
+
+_KIND_MARKERS = (
+    ("Layout Detection", PromptKind.LAYOUT),
+    ("Text Recognition", PromptKind.TEXT),
+    ("Table Recognition", PromptKind.TABLE),
+    ("Formula Recognition", PromptKind.FORMULA),
+)
+
+
+def prompt_kind(text: str) -> PromptKind:
+    """The MinerU task a prompt asks for; the last marker wins."""
+    found, at = PromptKind.OTHER, -1
+    for marker, kind in _KIND_MARKERS:
+        position = text.rfind(marker)
+        if position > at:
+            found, at = kind, position
+    return found
+
+
+def text_tokens(text: str) -> int:
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def chat_overhead_tokens(num_messages: int) -> int:
+    return num_messages * MESSAGE_TOKENS + GENERATION_PROMPT_TOKENS
+
+
+def image_tokens(url: str) -> int:
+    """Visual tokens of one image part, markers included."""
+    width, height = image_size(url)
+    resized_w, resized_h = smart_resize(width, height)
+    return (resized_w // PATCH_PIXELS) * (resized_h // PATCH_PIXELS) + IMAGE_MARKER_TOKENS
+
+
+def image_size(url: str) -> tuple[int, int]:
+    """Width and height from a base64 data URL's header, else estimated from its size."""
+    comma = url.find(",")
+    if not url.startswith("data:") or comma < 0 or ";base64" not in url[:comma]:
+        return DEFAULT_IMAGE_SIDE, DEFAULT_IMAGE_SIDE
+    payload_chars = len(url) - comma - 1
+    head_chars = min(payload_chars, HEADER_BASE64_CHARS) // 4 * 4
+    try:
+        head = binascii.a2b_base64(url[comma + 1 : comma + 1 + head_chars])
+    except binascii.Error:
+        head = b""
+    size = png_size(head) or jpeg_size(head)
+    return size if size is not None else size_from_bytes(payload_chars * 3 // 4)
+
+
+def png_size(data: bytes) -> tuple[int, int] | None:
+    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", data[16:24])
+    return _positive(width, height)
+
+
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_JPEG_STANDALONE = frozenset(range(0xD0, 0xDA)) | {0x01}
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    if data[:2] != b"\xff\xd8":
+        return None
+    at = 2
+    while at + 9 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker in _JPEG_SOF:
+            height, width = struct.unpack(">HH", data[at + 5 : at + 9])
+            return _positive(width, height)
+        elif marker in _JPEG_STANDALONE:
+            at += 2
+        else:
+            at += 2 + struct.unpack(">H", data[at + 2 : at + 4])[0]
+    return None
+
+
+def _positive(width: int, height: int) -> tuple[int, int] | None:
+    return (width, height) if width > 0 and height > 0 else None
+
+
+def size_from_bytes(num_bytes: int) -> tuple[int, int]:
+    side = max(PATCH_PIXELS, round(math.sqrt(num_bytes * PIXELS_PER_BYTE)))
+    return side, side
+
+
+def smart_resize(width: int, height: int) -> tuple[int, int]:
+    """Qwen2-VL's resize: multiples of 28 pixels, total pixels kept within the min/max bounds."""
+    w = max(PATCH_PIXELS, round(width / PATCH_PIXELS) * PATCH_PIXELS)
+    h = max(PATCH_PIXELS, round(height / PATCH_PIXELS) * PATCH_PIXELS)
+    if w * h > IMAGE_MAX_PIXELS:
+        beta = math.sqrt(width * height / IMAGE_MAX_PIXELS)
+        w = max(PATCH_PIXELS, math.floor(width / beta / PATCH_PIXELS) * PATCH_PIXELS)
+        h = max(PATCH_PIXELS, math.floor(height / beta / PATCH_PIXELS) * PATCH_PIXELS)
+    elif w * h < IMAGE_MIN_PIXELS:
+        beta = math.sqrt(IMAGE_MIN_PIXELS / (width * height))
+        w = math.ceil(width * beta / PATCH_PIXELS) * PATCH_PIXELS
+        h = math.ceil(height * beta / PATCH_PIXELS) * PATCH_PIXELS
+    return w, h
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEstimate:
+    """A prompt as far as cost goes: its tokens, its MinerU task, whether it has images."""
+
+    tokens: int
+    kind: PromptKind
+    has_image: bool
+
+
+def estimate_chat(messages: list[Any]) -> PromptEstimate:
+    """Lenient estimate of a chat prompt: malformed parts count as nothing (the worker judges)."""
+    tokens = chat_overhead_tokens(len(messages))
+    texts: list[str] = []
+    images = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+            continue
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                continue
+            if isinstance(text := part.get("text"), str):
+                texts.append(text)
+            elif isinstance(url := _image_url(part), str):
+                tokens += image_tokens(url)
+                images += 1
+    tokens += sum(text_tokens(text) for text in texts)
+    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), images > 0)
+
+
+def estimate_completion(prompt: Any) -> PromptEstimate:
+    if isinstance(prompt, str):
+        return PromptEstimate(text_tokens(prompt), prompt_kind(prompt), False)
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+        return PromptEstimate(len(prompt), PromptKind.OTHER, False)
+    texts = [item for item in prompt if isinstance(item, str)] if isinstance(prompt, list) else []
+    return PromptEstimate(sum(map(text_tokens, texts)), PromptKind.OTHER, False)
+
+
+def _image_url(part: dict[str, Any]) -> Any:
+    image = part.get("image_url")
+    return image.get("url") if isinstance(image, dict) else image
