@@ -173,9 +173,11 @@ class Fleet:
         self.count = workers
         self.gateway_url = ""
         self.gateway_pid = 0
+        self.naive_url = ""
+        self.naive_pid = 0
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "mineru_gateway", *args]
+    def _spawn(self, args: list[str], script: str | None = None) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, *(["-m", "mineru_gateway"] if script is None else [script]), *args]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.processes.append(proc)
         return proc
@@ -193,6 +195,11 @@ class Fleet:
         self.gateway_pid = self._spawn(args).pid
         self.gateway_url = f"http://127.0.0.1:{port}"
         wait_ok(self.gateway_url + "/ready")
+        port = free_port()
+        naive = str(Path(__file__).with_name("naive_relay.py"))
+        self.naive_pid = self._spawn(["--port", str(port), "--workers", workers], naive).pid
+        self.naive_url = f"http://127.0.0.1:{port}"
+        wait_ok(self.naive_url + "/ready")
 
     def stop(self) -> None:
         for proc in self.processes:
@@ -232,14 +239,19 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
     results = []
     for concurrency in args.concurrency:
         for mode in args.modes:
-            targets = fleet.worker_urls if mode == "direct" else [fleet.gateway_url]
-            cpu_before = process_cpu_seconds(fleet.gateway_pid)
+            targets = {
+                "direct": fleet.worker_urls,
+                "gateway": [fleet.gateway_url],
+                "naive-httpx": [fleet.naive_url],
+            }[mode]
+            proxy_pid = fleet.naive_pid if mode == "naive-httpx" else fleet.gateway_pid
+            cpu_before = process_cpu_seconds(proxy_pid)
             samples, errors, window = await closed_loop(
                 targets, concurrency, body, args.warmup, args.duration
             )
-            cpu = process_cpu_seconds(fleet.gateway_pid) - cpu_before
+            cpu = process_cpu_seconds(proxy_pid) - cpu_before
             result = summarise(mode, concurrency, samples, errors, window)
-            if mode == "gateway":
+            if mode != "direct":
                 result.gateway_cpu_s = cpu
                 result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
             results.append(result)
@@ -251,21 +263,22 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
 def format_row(r: RunResult) -> str:
     cpu = f"{r.gateway_cpu_us_per_event:.0f} us/event" if r.gateway_cpu_us_per_event else "-"
     return (
-        f"{r.mode:8s} c={r.concurrency:<4d} {r.requests_per_s:7.1f} req/s "
+        f"{r.mode:11s} c={r.concurrency:<4d} {r.requests_per_s:7.1f} req/s "
         f"{r.tokens_per_s:8.0f} tok/s  TTFT p50 {r.ttft_p50_ms:7.1f} ms p99 "
         f"{r.ttft_p99_ms:7.1f} ms  errors {r.errors}  gateway cpu {cpu}"
     )
 
 
-def compare(results: list[RunResult]) -> list[dict[str, Any]]:
+def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, Any]]:
     rows = []
     by_key = {(r.mode, r.concurrency): r for r in results}
     for concurrency in sorted({r.concurrency for r in results}):
-        direct, via = by_key.get(("direct", concurrency)), by_key.get(("gateway", concurrency))
+        direct, via = by_key.get(("direct", concurrency)), by_key.get((proxy, concurrency))
         if not direct or not via:
             continue
         rows.append(
             {
+                "proxy": proxy,
                 "concurrency": concurrency,
                 "throughput_ratio": via.tokens_per_s / direct.tokens_per_s,
                 "requests_ratio": via.requests_per_s / direct.requests_per_s,
@@ -282,7 +295,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128, 256]
     )
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=["direct", "gateway"])
+    parser.add_argument(
+        "--modes", type=lambda s: s.split(","), default=["direct", "gateway", "naive-httpx"]
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=5.0)
@@ -305,10 +320,11 @@ def main(argv: list[str] | None = None) -> None:
         results = uvloop.run(measure(args, fleet))
     finally:
         fleet.stop()
-    summary = compare(results)
+    summary = compare(results) + compare(results, "naive-httpx")
     for row in summary:
         print(
-            f"c={row['concurrency']}: gateway/direct throughput {row['throughput_ratio']:.3f}, "
+            f"{row['proxy']} c={row['concurrency']}: "
+            f"throughput vs direct {row['throughput_ratio']:.3f}, "
             f"added TTFT p50 {row['added_ttft_p50_ms']:+.1f} ms, "
             f"p99 {row['added_ttft_p99_ms']:+.1f} ms"
         )

@@ -8,7 +8,12 @@ from collections import Counter
 import pytest
 
 from mineru_gateway.routing import (
+    POLICY_NAMES,
     LeastInflight,
+    LoadModel,
+    PowerOfTwoChoices,
+    QueueLength,
+    ReportedLoad,
     RoundRobin,
     WorkerView,
     candidates_for,
@@ -78,3 +83,94 @@ def test_make_policy() -> None:
     assert make_policy("least_inflight").name == "least_inflight"
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("nope")
+
+
+# -- the load model: queue and p2c ------------------------------------------------------------
+def loaded(
+    name: str,
+    own_cost: float = 0.0,
+    reported: ReportedLoad | None = None,
+    slowness: float = 1.0,
+    healthy: bool = True,
+) -> WorkerView:
+    return WorkerView(
+        name, healthy, 0, M, own_cost=own_cost, reported=reported, unit_cost=10.0, slowness=slowness
+    )
+
+
+def fresh(waiting: float = 0, running: float = 0, kv: float = 0.0, own: int = 0) -> ReportedLoad:
+    return ReportedLoad(waiting, running, kv, age_s=0.1, own_at_scrape=own)
+
+
+def stale(waiting: float = 0, running: float = 0, kv: float = 0.0) -> ReportedLoad:
+    return ReportedLoad(waiting, running, kv, age_s=5.0, own_at_scrape=0)
+
+
+@pytest.mark.parametrize(
+    ("views", "expected"),
+    [
+        # the gateway's own estimated cost decides when workers report nothing
+        ([loaded("a", 300), loaded("b", 40)], "b"),
+        # load the gateway did not send (4 requests x unit cost 10) outweighs its own 30
+        ([loaded("a", 0, fresh(running=4)), loaded("b", 30, fresh(running=1, own=1))], "b"),
+        # the worker's count includes this gateway's requests: they are not counted twice
+        ([loaded("a", 50, fresh(running=5, own=5)), loaded("b", 20, fresh(running=9))], "a"),
+        # stale figures are ignored: own cost alone decides
+        ([loaded("a", 10, stale(waiting=50)), loaded("b", 20)], "a"),
+        # a slow worker's load weighs more
+        ([loaded("a", 30, slowness=2.0), loaded("b", 50)], "b"),
+        # a nearly full KV cache is avoided even when otherwise least loaded
+        ([loaded("a", 0, fresh(kv=0.97)), loaded("b", 500)], "b"),
+        # ... unless every worker is that full
+        ([loaded("a", 0, fresh(kv=0.97)), loaded("b", 500, fresh(kv=0.99))], "a"),
+        # a dead worker is never a candidate (filtered before the policy)
+        ([loaded("a", 0, healthy=False), loaded("b", 900)], "b"),
+    ],
+)
+def test_queue_policy_picks_the_least_loaded(views: list[WorkerView], expected: str) -> None:
+    candidates = candidates_for(views, "m")
+    assert QueueLength().choose(candidates, random.Random(0)).name == expected
+
+
+def test_kv_pressure_raises_the_score_before_the_cut_off() -> None:
+    model = LoadModel()
+    calm = loaded("a", 100, fresh(kv=0.5))
+    pressed = loaded("b", 100, fresh(kv=0.9))
+    assert model.score(pressed) == pytest.approx(2 * model.score(calm))
+
+
+def test_queue_ties_are_broken_at_random() -> None:
+    views = [loaded(name, 5.0, fresh(running=1, own=1)) for name in "abcd"]
+    rng = random.Random(3)
+    counts = Counter(QueueLength().choose(views, rng).name for _ in range(4000))
+    assert set(counts) == set("abcd")
+    assert min(counts.values()) > 800
+
+
+def test_stale_figures_do_not_herd_traffic_onto_one_worker() -> None:
+    # Every worker's figures are old; one of them looked idle back then. Routing must spread
+    # by the gateway's own counts, which change with every decision.
+    views = {
+        "a": loaded("a", 0, stale(running=0)),
+        "b": loaded("b", 0, stale(running=40)),
+        "c": loaded("c", 0, stale(running=40)),
+    }
+    policy, rng = QueueLength(), random.Random(5)
+    picks = Counter()
+    for _ in range(30):
+        choice = policy.choose(list(views.values()), rng)
+        picks[choice.name] += 1
+        views[choice.name] = loaded(choice.name, views[choice.name].own_cost + 10, stale())
+    assert picks == {"a": 10, "b": 10, "c": 10}
+
+
+def test_p2c_never_picks_the_worse_of_its_two_draws() -> None:
+    views = [loaded("a", 10), loaded("b", 20), loaded("c", 30)]
+    rng = random.Random(11)
+    counts = Counter(PowerOfTwoChoices().choose(views, rng).name for _ in range(3000))
+    assert "c" not in counts  # the most loaded loses every pair it is drawn in
+    assert counts["a"] > counts["b"] > 0
+
+
+def test_make_policy_knows_every_policy() -> None:
+    assert [make_policy(name).name for name in POLICY_NAMES] == list(POLICY_NAMES)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import StartGateway
 from tests.support.servers import ServerThread, free_port
-from tests.support.workers import Script, scripted_worker
+from tests.support.workers import DroppingWorker, Script, scripted_worker
 
 CHAT = "/v1/chat/completions"
 
@@ -252,3 +252,35 @@ def test_unknown_route_is_an_openai_404(
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "not_found"
     assert httpx.get(gateway + CHAT).status_code == 405
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_dropped_before_any_answer_is_retried_on_another_worker(
+    scripted: tuple[Script, str], start_gateway: StartGateway, stream: bool
+) -> None:
+    script, worker = scripted
+    dropping = DroppingWorker()
+    try:
+        gateway = start_gateway([dropping.start(), worker], routing_policy="round_robin")
+        for _ in range(6):
+            response = httpx.post(gateway + CHAT, json=chat_body(stream=stream))
+            assert response.status_code == 200
+        assert len(script.seen) == 6
+        assert dropping.dropped >= 1
+        metrics = httpx.get(gateway + "/metrics").text
+        assert 'mineru_gateway_retries_total{reason="upstream_disconnect"}' in metrics
+    finally:
+        dropping.stop()
+
+
+def test_retries_are_bounded(start_gateway: StartGateway) -> None:
+    workers = [DroppingWorker() for _ in range(3)]
+    try:
+        gateway = start_gateway([w.start() for w in workers], max_retries=1, eject_after=100)
+        response = httpx.post(gateway + CHAT, json=chat_body())
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_error"
+        assert sum(w.dropped for w in workers) == 2
+    finally:
+        for worker in workers:
+            worker.stop()

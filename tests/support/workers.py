@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,3 +86,79 @@ async def _stream(script: Script) -> Any:
     except asyncio.CancelledError:
         script.cancelled += 1
         raise
+
+
+class DroppingWorker:
+    """A worker that passes health checks but drops every completion request unanswered.
+
+    A raw asyncio server, because an ASGI app cannot close a connection without answering: it
+    stands for a worker that dies after accepting a request (a crash, a kill -9, an OOM).
+    """
+
+    def __init__(self, model: str = "echo-model") -> None:
+        self.model = model
+        self.dropped = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    def start(self) -> str:
+        self._thread.start()
+        self._ready.wait(10)
+        return self.url
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0)
+        )
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._ready.set()
+        self._loop.run_forever()
+        self._server.close()
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._server.wait_closed())
+        self._loop.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                length = _content_length(head)
+                if length:
+                    await reader.readexactly(length)
+                if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
+                    self.dropped += 1
+                    return
+                payload = b""
+                if path == b"/v1/models":
+                    card = {"id": self.model, "object": "model", "owned_by": "vllm"}
+                    payload = orjson.dumps({"object": "list", "data": [card]})
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    + b"content-length: %d\r\n\r\n" % len(payload)
+                    + payload
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0

@@ -204,21 +204,24 @@ class Relay:
             context.metrics.time_to_upstream.series(request.model or "").observe(
                 exchange.upstream_sent - exchange.received
             )
+        upstream: UpstreamResponse | None = None
         try:
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
-        except UpstreamConnectError as error:
-            raise _Retry("connect_error", error, eject_now=True) from None
-        try:
             await _relay_response(upstream, exchange, context.metrics, request)
         except UpstreamTimeout:
             raise  # the worker is alive but slow: another would not be faster
+        except UpstreamConnectError as error:
+            raise _Retry("connect_error", error, eject_now=True) from None
         except UpstreamError as error:
-            if exchange.status is not None:
-                context.registry.record_failure(worker, "stream_broken", str(error), at_once=False)
-                raise
-            raise _Retry("upstream_disconnect", error, eject_now=False) from None
+            if exchange.status is None:
+                # A dropped connection before any answer: a dead worker, or a keep-alive
+                # connection it had closed. Nothing reached the client; try another worker.
+                raise _Retry("upstream_disconnect", error, eject_now=False) from None
+            context.registry.record_failure(worker, "stream_broken", str(error), at_once=False)
+            raise
         finally:
-            upstream.close()
+            if upstream is not None:
+                upstream.close()
         if upstream.status >= 500:
             context.registry.record_failure(
                 worker, "status_5xx", f"answered {upstream.status}", at_once=False
@@ -309,7 +312,7 @@ def _record(
     worker = exchange.worker or ""
     status = str(exchange.status) if exchange.status is not None else "499"
     metrics.requests.inc(exchange.endpoint, model, worker, status, outcome)
-    if exchange.finished is not None:
+    if exchange.finished is not None and outcome == "ok":
         metrics.e2e.series(model, worker).observe(exchange.finished - exchange.received)
     if exchange.streaming and exchange.first_chunk is not None:
         metrics.ttft.series(model, worker).observe(exchange.first_chunk - exchange.received)

@@ -1,0 +1,76 @@
+"""Routing on real simulated workers: load the gateway can and cannot see (issue 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from tests.conftest import StartGateway, StartSim
+
+CHAT = "/v1/chat/completions"
+
+
+def body(tokens: int, stream: bool = True) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": "\nText Recognition:"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, tokens: int) -> None:
+    async with client.stream("POST", url + CHAT, json=body(tokens)) as response:
+        assert response.status_code == 200
+        async for _ in response.aiter_bytes():
+            pass
+
+
+async def closed_loop(url: str, streams: int, tokens: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+
+    async def loop(client: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            await stream_once(client, url, tokens)
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        await asyncio.gather(*(loop(client) for _ in range(streams)))
+
+
+def completed(worker: str) -> int:
+    state = httpx.get(worker + "/sim/state").json()
+    return int(state["completed"])
+
+
+async def test_a_slower_worker_gets_less_work(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    fast = start_sim(model_name="m", time_scale=1.0)
+    slow = start_sim(model_name="m", time_scale=1.0, speed=0.5)
+    gateway = start_gateway([fast, slow], routing_policy="queue", load_interval_s=0.1)
+    await closed_loop(gateway, streams=16, tokens=20, seconds=4.0)
+    on_fast, on_slow = completed(fast), completed(slow)
+    assert on_fast + on_slow > 40
+    assert on_slow < 0.75 * on_fast, (on_fast, on_slow)
+
+
+async def test_load_sent_straight_to_a_worker_pushes_gateway_traffic_elsewhere(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    busy = start_sim(model_name="m", time_scale=1.0)
+    idle = start_sim(model_name="m", time_scale=1.0)
+    gateway = start_gateway([busy, idle], routing_policy="queue", load_interval_s=0.1)
+    async with httpx.AsyncClient(timeout=60) as client:
+        # Long generations sent directly to one worker, bypassing the gateway.
+        direct = [asyncio.create_task(stream_once(client, busy, 400)) for _ in range(12)]
+        await asyncio.sleep(0.5)  # a few load scrapes
+        for _ in range(20):
+            await stream_once(client, gateway, 5)
+        for task in direct:
+            task.cancel()
+        await asyncio.gather(*direct, return_exceptions=True)
+    to_idle = completed(idle)
+    assert to_idle >= 17, f"only {to_idle} of 20 gateway requests avoided the busy worker"

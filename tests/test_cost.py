@@ -1,0 +1,122 @@
+"""Request cost estimates: what routing weighs requests by (issue 3)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+
+import pytest
+
+from mineru_gateway.cost import CostInputs, CostModel
+from mineru_gateway.prompts import PromptEstimate, PromptKind, estimate_chat, estimate_completion
+
+
+def png_data_url(width: int, height: int, padding: int = 0) -> str:
+    header = b"\x89PNG\r\n\x1a\n"
+    ihdr = struct.pack(">II5B", width, height, 8, 2, 0, 0, 0)
+    chunk = (
+        struct.pack(">I", len(ihdr))
+        + b"IHDR"
+        + ihdr
+        + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    )
+    return "data:image/png;base64," + base64.b64encode(header + chunk + b"\0" * padding).decode()
+
+
+def mineru_message(text: str, image: str | None = None) -> list[dict[str, object]]:
+    content: list[dict[str, object]] = []
+    if image is not None:
+        content.append({"type": "image_url", "image_url": {"url": image}})
+    content.append({"type": "text", "text": text})
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": content},
+    ]
+
+
+def test_a_layout_page_costs_its_visual_tokens() -> None:
+    page = estimate_chat(mineru_message("\nLayout Detection:", png_data_url(1036, 1036)))
+    assert page.kind is PromptKind.LAYOUT
+    assert page.has_image
+    assert 1369 <= page.tokens < 1369 + 40  # 37 x 37 patches of 28 px, plus text and template
+
+
+def test_a_block_crop_costs_far_less_than_a_page() -> None:
+    block = estimate_chat(mineru_message("\nText Recognition:", png_data_url(600, 56)))
+    page = estimate_chat(mineru_message("\nLayout Detection:", png_data_url(1036, 1036)))
+    assert block.kind is PromptKind.TEXT
+    assert block.tokens * 10 < page.tokens
+
+
+def test_an_image_without_a_readable_header_is_sized_by_its_bytes() -> None:
+    small = "data:image/png;base64," + base64.b64encode(b"x" * 3000).decode()
+    large = "data:image/png;base64," + base64.b64encode(b"x" * 300_000).decode()
+    assert (
+        estimate_chat(mineru_message("t", small)).tokens
+        < estimate_chat(mineru_message("t", large)).tokens
+    )
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user"}],
+        [{"role": "user", "content": [1, {"type": "image_url"}, {"type": "text"}]}],
+        [{"role": "user", "content": {"not": "a list"}}],
+    ],
+)
+def test_malformed_content_is_estimated_without_failing(messages: list[object]) -> None:
+    estimate = estimate_chat(messages)
+    assert estimate.tokens > 0
+    assert not estimate.has_image
+
+
+def test_completion_prompts() -> None:
+    assert estimate_completion("abcdefgh").tokens == 2
+    assert estimate_completion([1, 2, 3]).tokens == 3
+    assert estimate_completion(["abcd", "efgh"]).tokens == 2
+
+
+def inputs(
+    kind: PromptKind = PromptKind.TEXT,
+    tokens: int = 100,
+    max_tokens: int | None = None,
+    ignore_eos: bool = False,
+    image: bool = True,
+) -> CostInputs:
+    return CostInputs("m", PromptEstimate(tokens, kind, image), max_tokens, ignore_eos)
+
+
+def test_cost_is_prefill_share_plus_expected_decode() -> None:
+    model = CostModel(prefill_weight=0.1, default_decode_tokens=200)
+    assert model.estimate(inputs(tokens=1000)) == pytest.approx(100 + 200)
+    assert model.estimate(inputs(tokens=1000, max_tokens=50)) == pytest.approx(100 + 50)
+    assert model.estimate(inputs(tokens=0, max_tokens=700, ignore_eos=True)) == 700
+
+
+def test_expected_decode_is_learnt_per_request_class() -> None:
+    model = CostModel(default_decode_tokens=200, smoothing=0.5)
+    layout, text = inputs(PromptKind.LAYOUT), inputs(PromptKind.TEXT)
+    model.learn(layout, 1000)
+    model.learn(text, 20)
+    model.learn(text, 40)
+    assert model.expected_decode(layout) == 1000
+    assert model.expected_decode(text) == 30
+    assert model.expected_decode(inputs(PromptKind.TABLE)) == 200  # not learnt yet
+
+
+def test_learnt_classes_are_bounded() -> None:
+    model = CostModel(max_classes=3)
+    for index in range(10):
+        model.learn(
+            CostInputs(f"m{index}", PromptEstimate(1, PromptKind.OTHER, False), None, False), 5
+        )
+    assert model.classes() == 3
+
+
+def test_mean_cost_follows_the_traffic() -> None:
+    model = CostModel(prefill_weight=0, default_decode_tokens=10, smoothing=0.5)
+    for _ in range(30):
+        model.estimate(inputs(max_tokens=1000, ignore_eos=True))
+    assert model.mean_cost == pytest.approx(1000, rel=0.01)

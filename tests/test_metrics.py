@@ -1,0 +1,102 @@
+"""The gateway's /metrics: names, values after real traffic, and promtool's verdict."""
+
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from mineru_gateway.metrics import Counter, Histogram
+from tests.conftest import StartGateway, StartSim
+
+CHAT = "/v1/chat/completions"
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    wanted = set(labels.items())
+    return sum(
+        value
+        for (sample, sample_labels), value in samples(text).items()
+        if sample == name and wanted <= sample_labels
+    )
+
+
+def test_metrics_after_real_traffic(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    worker = start_sim(model_name="m", time_scale=1.0)  # one chunk per token: real pace
+    gateway = start_gateway([worker])
+    message = [{"role": "user", "content": "\nText Recognition:"}]
+    completion_tokens = 0
+    for _ in range(3):
+        body = {"model": "m", "messages": message, "max_tokens": 7, "ignore_eos": True}
+        stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", gateway + CHAT, json=stream) as response:
+            events = [line for line in response.iter_lines() if line]
+        completion_tokens += orjson.loads(events[-2][6:])["usage"]["completion_tokens"]
+    for _ in range(2):
+        answer = httpx.post(gateway + CHAT, json={"model": "m", "messages": message}).json()
+        completion_tokens += answer["usage"]["completion_tokens"]
+    # a stream without usage: its tokens are counted from the stream itself
+    plain = {"model": "m", "messages": message, "max_tokens": 4, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway + CHAT, json=plain) as response:
+        response.read()
+    completion_tokens += 4
+    assert (
+        httpx.post(gateway + CHAT, json={"model": "bogus", "messages": message}).status_code == 404
+    )
+    assert httpx.post(gateway + CHAT, content=b"{").status_code == 400
+
+    text = httpx.get(gateway + "/metrics").text
+    ok = {"endpoint": "chat", "model": "m", "worker": worker, "status": "200", "outcome": "ok"}
+    assert total(text, "mineru_gateway_requests_total", **ok) == 6
+    assert total(text, "mineru_gateway_requests_total", outcome="model_not_found", model="") == 1
+    assert total(text, "mineru_gateway_requests_total", outcome="invalid_request") == 1
+    assert "bogus" not in text  # clients cannot mint label values
+    assert total(text, "mineru_gateway_time_to_first_token_seconds_count", worker=worker) == 4
+    assert total(text, "mineru_gateway_e2e_request_latency_seconds_count", worker=worker) == 6
+    # every gap between chunks: at least one per token after the first, per stream
+    assert total(text, "mineru_gateway_inter_token_latency_seconds_count") >= 3 * 6 + 3
+    assert total(text, "mineru_gateway_completion_tokens_total", worker=worker) == completion_tokens
+    assert total(text, "mineru_gateway_prompt_tokens_total", worker=worker) > 0
+    assert total(text, "mineru_gateway_routing_decisions_total", policy="queue") == 6
+    assert total(text, "mineru_gateway_worker_healthy", worker=worker) == 1
+    assert total(text, "mineru_gateway_requests_in_flight", worker=worker) == 0
+    assert total(text, "mineru_gateway_info", policy="queue") == 1
+    assert total(text, "mineru_gateway_time_to_upstream_seconds_count", model="m") == 6
+    names = {family.name for family in text_string_to_metric_families(text)}
+    assert all(name.startswith("mineru_gateway_") for name in names), names
+
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_histogram_exports_cumulative_buckets() -> None:
+    histogram = Histogram("h_seconds", "doc", ("a",), (0.1, 1.0))
+    series = histogram.series("x")
+    for value in (0.05, 0.5, 0.5, 5.0):
+        series.observe(value)
+    family = histogram.collect()
+    by_bound = {s.labels.get("le"): s.value for s in family.samples if s.name == "h_seconds_bucket"}
+    assert by_bound == {"0.1": 1, "1.0": 3, "+Inf": 4}
+    count = [s.value for s in family.samples if s.name == "h_seconds_count"]
+    assert count == [4]
+
+
+def test_counter_adds_per_label_set() -> None:
+    counter = Counter("c", "doc", ("a",))
+    counter.inc("x")
+    counter.inc("x", amount=2)
+    counter.inc("y")
+    values = {s.labels["a"]: s.value for s in counter.collect().samples}
+    assert values == {"x": 3, "y": 1}
