@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -10,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.metrics import Counter, Histogram
 from tests.conftest import StartGateway, StartSim
+from tests.support.npu_smi_stub import install_npu_smi
 
 CHAT = "/v1/chat/completions"
 
@@ -100,3 +103,28 @@ def test_counter_adds_per_label_set() -> None:
     counter.inc("y")
     values = {s.labels["a"]: s.value for s in counter.collect().samples}
     assert values == {"x": 3, "y": 1}
+
+
+def test_npu_telemetry_in_the_gateway_metrics(
+    tmp_path: Path, start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    stub = install_npu_smi(tmp_path / "bin")
+    worker = start_sim(model_name="m")
+    gateway = start_gateway(
+        [worker], npu_smi=str(stub.path), npu_smi_interval_s=0.1, npu_devices=f"0={worker}"
+    )
+    deadline = time.monotonic() + 15
+    while "npu_chip_info_power{" not in (text := httpx.get(gateway + "/metrics").text):
+        assert time.monotonic() < deadline, "no NPU series"
+        time.sleep(0.05)
+    assert total(text, "mineru_gateway_npu_healthy", npu="0", worker=worker) == 1
+    assert total(text, "npu_chip_info_hbm_total_memory", id="0") > 0
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_npu_telemetry_is_off_by_default(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    gateway = start_gateway([start_sim(model_name="m")])
+    assert "npu_" not in httpx.get(gateway + "/metrics").text

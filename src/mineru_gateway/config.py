@@ -37,6 +37,22 @@ class GatewaySettings(BaseSettings):
         default_factory=list,
         description="Worker base URLs, comma-separated (e.g. http://127.0.0.1:30001).",
     )
+    worker_dns: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Worker URLs whose host name is resolved every dns_interval_s; each address "
+        "becomes a worker (a Kubernetes headless Service, say: http://mineru-workers:30001).",
+    )
+    dns_interval_s: float = Field(5.0, gt=0, description="Between two lookups of worker_dns.")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="When set, /v1/* requires `Authorization: Bearer <one of these>` (MinerU's "
+        "client sends $MINERU_VL_API_KEY). Health, readiness and metrics stay open.",
+    )
+    worker_api_key: str | None = Field(
+        None,
+        description="Bearer key for the workers (vLLM --api-key); by default the client's "
+        "Authorization header is passed through when no api_keys are set.",
+    )
     routing_policy: RoutingPolicyName = Field(
         "queue",
         description="How a worker is chosen: queue (least estimated load from the gateway's own "
@@ -101,9 +117,9 @@ class GatewaySettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 
-    _split_workers = field_validator("workers", mode="before")(_split_csv)
+    _split_lists = field_validator("workers", "worker_dns", "api_keys", mode="before")(_split_csv)
 
-    @field_validator("workers")
+    @field_validator("workers", "worker_dns")
     @classmethod
     def _normalise_urls(cls, urls: list[str]) -> list[str]:
         normalised = []

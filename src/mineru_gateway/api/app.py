@@ -11,14 +11,16 @@ from typing import Any
 
 import orjson
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
 from mineru_gateway import __version__
+from mineru_gateway.api.auth import check_api_key
 from mineru_gateway.api.context import GatewayContext
 from mineru_gateway.api.relay import PATHS, Relay
 from mineru_gateway.config import GatewaySettings
@@ -32,6 +34,7 @@ from mineru_gateway.telemetry import (
     parse_device_workers,
     register_npu_metrics,
 )
+from mineru_gateway.workers.discovery import DnsDiscovery
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -94,7 +97,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         context = build_context(settings)
         telemetry = build_telemetry(settings)
         metrics_registry = build_metrics_registry(context, telemetry)
+        discovery = DnsDiscovery(
+            context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
+        )
         await context.client.start()
+        await discovery.start()
         await context.registry.start()
         if telemetry is not None:
             await telemetry.start()
@@ -109,6 +116,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         finally:
             if telemetry is not None:
                 await telemetry.stop()
+            await discovery.stop()
             await context.registry.stop()
             await context.client.close()
 
@@ -140,7 +148,7 @@ def _add_control_routes(app: FastAPI) -> None:
         healthy = sum(worker.healthy for worker in registry.workers)
         return _json({"status": "ready", "healthy_workers": healthy})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(_authorized)])
     async def models(request: Request) -> Response:
         """The union of the healthy workers' models, one entry per model id."""
         registry = _context(request).registry
@@ -154,14 +162,37 @@ def _add_control_routes(app: FastAPI) -> None:
         registry: CollectorRegistry = request.state.metrics_registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/workers")
+    @app.get("/v1/workers", dependencies=[Depends(_authorized)])
     async def workers(request: Request) -> Response:
-        """Each worker's URL, state, this gateway's load on it and its last error."""
+        """Each worker's URL, state, load (own and reported) and last error."""
+        return _json(_describe_workers(_context(request)))
+
+    @app.post("/v1/workers", dependencies=[Depends(_authorized)])
+    async def add_worker(request: Request, change: WorkerChange) -> Response:
+        """Adds a worker at run time; it takes traffic once its health check passes."""
         registry = _context(request).registry
-        policy = registry.policy.name
-        now = time.monotonic()
-        body = {"policy": policy, "workers": [w.describe(now) for w in registry.workers]}
-        return _json(body)
+        await registry.check(registry.add(change.url))
+        return _json(_describe_workers(_context(request)), 201)
+
+    @app.delete("/v1/workers", dependencies=[Depends(_authorized)])
+    async def remove_worker(request: Request, change: WorkerChange) -> Response:
+        """Stops routing new requests to a worker; those already there finish normally."""
+        _context(request).registry.remove(change.url)
+        return _json(_describe_workers(_context(request)))
+
+
+class WorkerChange(BaseModel):
+    url: str = Field(pattern=r"^https?://[^/]+$", description="A worker's base URL.")
+
+
+def _authorized(request: Request) -> None:
+    check_api_key(_context(request).settings, request.headers.get("authorization", "").encode())
+
+
+def _describe_workers(context: GatewayContext) -> dict[str, Any]:
+    now = time.monotonic()
+    registry = context.registry
+    return {"policy": registry.policy.name, "workers": [w.describe(now) for w in registry.workers]}
 
 
 def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
@@ -186,7 +217,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> Response:
-        return _error_response(InvalidRequest(str(error.errors())))
+        first = error.errors()[0] if error.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        return _error_response(InvalidRequest(str(first.get("msg", error)), param=param))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> Response:

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import structlog
 
+from mineru_gateway.api.auth import check_api_key, upstream_authorization
 from mineru_gateway.api.context import GatewayContext
 from mineru_gateway.api.requests import (
     ClientDisconnected,
@@ -148,11 +149,12 @@ class Relay:
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
+            check_api_key(context.settings, headers.get(b"authorization"))
             body = await read_body(
                 receive, _content_length(headers), context.settings.max_body_bytes
             )
             request = parse_request(self.endpoint, body)
-            upstream_headers = _upstream_headers(headers, exchange.request_id)
+            upstream_headers = _upstream_headers(context, headers, exchange.request_id)
             await _until_done_or_disconnect(
                 self._proxy(context, request, upstream_headers, exchange), receive, exchange
             )
@@ -348,11 +350,13 @@ def _content_length(headers: dict[bytes, bytes]) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-def _upstream_headers(headers: dict[bytes, bytes], request_id: str) -> dict[str, str]:
+def _upstream_headers(
+    context: GatewayContext, headers: dict[bytes, bytes], request_id: str
+) -> dict[str, str]:
     forwarded = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    authorization = headers.get(b"authorization")
+    authorization = upstream_authorization(context.settings, headers.get(b"authorization"))
     if authorization:
-        forwarded["Authorization"] = authorization.decode("latin-1")
+        forwarded["Authorization"] = authorization
     return forwarded
 
 

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import uvicorn
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
@@ -19,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mineru_gateway import server
 from mineru_gateway.telemetry.collector import (
     DEFAULT_INTERVAL_S,
     NpuTelemetry,
@@ -101,7 +101,7 @@ def run_exporter(
     npu_exporter_names: bool = True,
     log_level: str = "info",
 ) -> None:
-    """Serves the exporter until interrupted (blocking; uvicorn handles SIGINT/SIGTERM)."""
+    """Serves the exporter until SIGINT/SIGTERM (blocking), then exits cleanly."""
     app = create_exporter_app(
         npu_smi_path=npu_smi_path,
         interval_s=interval_s,
@@ -109,4 +109,4 @@ def run_exporter(
         device_workers=device_workers,
         npu_exporter_names=npu_exporter_names,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="on")
+    server.run(app, host, port, log_level)

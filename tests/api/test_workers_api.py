@@ -1,0 +1,91 @@
+"""Workers at run time (admin API, DNS discovery) and API keys."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.conftest import StartGateway, StartSim
+from tests.support.workers import Script
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_api_keys_guard_v1_but_not_health_or_metrics(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker], api_keys="k1,k2")
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
+        response = httpx.post(gateway + CHAT, json=BODY, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(gateway + "/v1/models").status_code == 401
+    assert httpx.get(gateway + "/v1/workers").status_code == 401
+    assert script.seen == []
+    good = {"authorization": "Bearer k2"}
+    assert httpx.post(gateway + CHAT, json=BODY, headers=good).status_code == 200
+    assert httpx.get(gateway + "/v1/models", headers=good).status_code == 200
+    assert "authorization" not in script.seen[-1]["headers"]  # a gateway key stays here
+    for open_path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(gateway + open_path).status_code == 200
+
+
+def test_workers_get_their_own_key(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker], api_keys="k", worker_api_key="wk")
+    httpx.post(gateway + CHAT, json=BODY, headers={"authorization": "Bearer k"})
+    assert script.seen[-1]["headers"]["authorization"] == "Bearer wk"
+
+
+def test_workers_can_be_added_and_removed_at_run_time(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    first = start_sim(model_name="m", time_scale=1.0)
+    second = start_sim(model_name="m", time_scale=1.0)
+    gateway = start_gateway([first])
+    added = httpx.post(gateway + "/v1/workers", json={"url": second})
+    assert added.status_code == 201
+    states = {w["url"]: w["state"] for w in added.json()["workers"]}
+    assert states == {first: "healthy", second: "healthy"}
+
+    # A long stream on `first`, then `first` is removed: the stream still completes.
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    body |= {"max_tokens": 30, "ignore_eos": True}
+    with httpx.stream("POST", first + CHAT, json=body) as warm:
+        warm.read()  # sanity: the worker answers directly
+    httpx.post(gateway + "/v1/workers", json={"url": first})  # adding twice changes nothing
+    with httpx.stream("POST", gateway + CHAT, json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        next(lines)
+        removed = httpx.request("DELETE", gateway + "/v1/workers", json={"url": second})
+        removed = httpx.request("DELETE", gateway + "/v1/workers", json={"url": first})
+        assert [w["url"] for w in removed.json()["workers"]] == []
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert httpx.post(gateway + CHAT, json=body | {"stream": False}).status_code == 503
+
+
+def test_bad_worker_changes_are_400(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _, worker = scripted
+    gateway = start_gateway([worker])
+    for payload in ({"url": "ftp://x"}, {}, {"url": "http://h:1/path"}):
+        response = httpx.post(gateway + "/v1/workers", json=payload)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "url"
+
+
+def test_workers_found_through_dns(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    port = worker.rsplit(":", 1)[1]
+    gateway = start_gateway([], worker_dns=f"http://localhost:{port}", dns_interval_s=0.2)
+    described = httpx.get(gateway + "/v1/workers").json()["workers"]
+    assert f"http://127.0.0.1:{port}" in {w["url"] for w in described if w["state"] == "healthy"}
+    assert httpx.post(gateway + CHAT, json=BODY).status_code == 200
+    assert len(script.seen) == 1
