@@ -21,11 +21,13 @@ install: $(VENV)/.installed
 run: install
 	$(BIN)/mineru-gateway up --engine sim --workers 4
 
-## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks).
+## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks),
+## docker-compose (validates docker-compose.yml without an engine).
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
+		&& command -v docker-compose >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+		apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null; }
 
 ## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model (DESIGN.md section 7).
 vllm:
@@ -47,8 +49,12 @@ test: lint typecheck system-deps vllm
 test-fast: install
 	$(BIN)/pytest -m "not vllm" $(PYTEST_ARGS)
 
+## What the gateway costs against calling workers directly (about 8 minutes), and what recording
+## metrics costs per relayed event. Results land in benchmarks/results/.
 bench: install
 	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
+		--out benchmarks/results/metrics_cost.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -237,26 +237,30 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
         }
     ).encode()
     results = []
-    for concurrency in args.concurrency:
-        for mode in args.modes:
-            targets = {
-                "direct": fleet.worker_urls,
-                "gateway": [fleet.gateway_url],
-                "naive-httpx": [fleet.naive_url],
-            }[mode]
-            proxy_pid = fleet.naive_pid if mode == "naive-httpx" else fleet.gateway_pid
-            cpu_before = process_cpu_seconds(proxy_pid)
-            samples, errors, window = await closed_loop(
-                targets, concurrency, body, args.warmup, args.duration
-            )
-            cpu = process_cpu_seconds(proxy_pid) - cpu_before
-            result = summarise(mode, concurrency, samples, errors, window)
-            if mode != "direct":
-                result.gateway_cpu_s = cpu
-                result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
-            results.append(result)
-            print(format_row(result), flush=True)
-            await asyncio.sleep(1.0)  # let workers drain between runs
+    # Modes alternate within each round, so that a neighbour's load on this shared machine
+    # falls on all of them alike; `compare` takes the median of the rounds.
+    rounds = [
+        (c, mode) for c in args.concurrency for _ in range(args.rounds) for mode in args.modes
+    ]
+    for concurrency, mode in rounds:
+        targets = {
+            "direct": fleet.worker_urls,
+            "gateway": [fleet.gateway_url],
+            "naive-httpx": [fleet.naive_url],
+        }[mode]
+        proxy_pid = fleet.naive_pid if mode == "naive-httpx" else fleet.gateway_pid
+        cpu_before = process_cpu_seconds(proxy_pid)
+        samples, errors, window = await closed_loop(
+            targets, concurrency, body, args.warmup, args.duration
+        )
+        cpu = process_cpu_seconds(proxy_pid) - cpu_before
+        result = summarise(mode, concurrency, samples, errors, window)
+        if mode != "direct":
+            result.gateway_cpu_s = cpu
+            result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
+        results.append(result)
+        print(format_row(result), flush=True)
+        await asyncio.sleep(1.0)  # let workers drain between runs
     return results
 
 
@@ -269,9 +273,17 @@ def format_row(r: RunResult) -> str:
     )
 
 
+def median_run(runs: list[RunResult]) -> RunResult:
+    """The run with the median throughput of its mode and concurrency."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
 def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, Any]]:
     rows = []
-    by_key = {(r.mode, r.concurrency): r for r in results}
+    grouped: dict[tuple[str, int], list[RunResult]] = {}
+    for result in results:
+        grouped.setdefault((result.mode, result.concurrency), []).append(result)
+    by_key = {key: median_run(runs) for key, runs in grouped.items()}
     for concurrency in sorted({r.concurrency for r in results}):
         direct, via = by_key.get(("direct", concurrency)), by_key.get((proxy, concurrency))
         if not direct or not via:
@@ -299,6 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--modes", type=lambda s: s.split(","), default=["direct", "gateway", "naive-httpx"]
     )
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per mode, alternating")
     parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=64)
