@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 
 ## The embedded default: gateway on http://127.0.0.1:30000 in front of 4 simulated vLLM workers.
 run: install
-	$(BIN)/mineru-gateway up --engine sim --workers 4
+	$(BIN)/mineru-gateway up --engine sim --workers 4 --log-format console
 
 ## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks),
 ## docker-compose (validates docker-compose.yml without an engine).

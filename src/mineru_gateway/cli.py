@@ -12,14 +12,20 @@ import structlog
 
 from mineru_gateway import __version__, server
 from mineru_gateway.api.app import create_app
+from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.group import add_group_arguments, group_options_from_args, run_group
 from mineru_gateway.logs import configure_logging
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
-from mineru_gateway.workers.supervisor import Supervisor, WorkerSpec
+from mineru_gateway.telemetry import (
+    DEFAULT_EXPORTER_PORT,
+    DEFAULT_INTERVAL_S,
+    parse_device_workers,
+    run_exporter,
+)
+from mineru_gateway.workers.launcher import WORKER_DESCRIPTION, add_worker_arguments, run_worker
 
 log = structlog.get_logger("mineru_gateway.cli")
-
-UP_WORKER_BASE_PORT = 30001
 
 
 def _add_settings_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
@@ -66,27 +72,47 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(handler=_sim)
 
     up = commands.add_parser("up", help="start N workers and the gateway as one supervised group")
-    up.add_argument("--engine", choices=["sim"], default="sim", help="worker engine")
-    up.add_argument(
-        "--workers", "-n", dest="num_workers", type=int, default=4, help="how many workers"
-    )
-    up.add_argument("--worker-base-port", type=int, default=UP_WORKER_BASE_PORT)
-    up.add_argument(
-        "--sim-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra argument for each simulated worker, e.g. --sim-arg=--time-scale=10",
-    )
+    add_group_arguments(up)
     _add_settings_arguments(up, skip=("workers",))
     up.set_defaults(handler=_up)
+
+    worker = commands.add_parser(
+        "worker",
+        help="run one vLLM(-Ascend) server pinned to one device (the command compose/k8s run)",
+        description=WORKER_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_worker_arguments(worker)
+    worker.set_defaults(handler=run_worker)
+
+    exporter = commands.add_parser(
+        "npu-exporter",
+        help="export npu-smi readings on /metrics (for hosts where the gateway does not run)",
+    )
+    exporter.add_argument("--host", default="0.0.0.0")
+    exporter.add_argument("--port", type=int, default=DEFAULT_EXPORTER_PORT)
+    exporter.add_argument("--npu-smi", default=None, help="npu-smi path (default: from PATH)")
+    exporter.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
+    exporter.add_argument(
+        "--devices", default="", help="which worker uses which NPU: 0=http://w0:30001,1=..."
+    )
+    exporter.add_argument("--log-level", default="info")
+    exporter.set_defaults(handler=_npu_exporter)
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
-    server.run(create_app(settings), settings.host, settings.port, settings.log_level)
+    lifecycle = Lifecycle()
+    server.run(
+        create_app(settings, lifecycle),
+        settings.host,
+        settings.port,
+        settings.log_level,
+        graceful_timeout_s=settings.drain_timeout_s,
+        on_signal=lifecycle.start_draining,
+    )
     return 0
 
 
@@ -97,34 +123,24 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def sim_worker_specs(count: int, base_port: int, extra: Sequence[str]) -> list[WorkerSpec]:
-    specs = []
-    for index in range(count):
-        port = base_port + index
-        argv = [sys.executable, "-m", "mineru_gateway", "sim", "--port", str(port), *extra]
-        specs.append(WorkerSpec(f"sim-{index}", argv, f"http://127.0.0.1:{port}"))
-    return specs
+def _npu_exporter(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, "json")
+    devices = parse_device_workers(args.devices) if args.devices else {}
+    run_exporter(
+        args.host, args.port, args.npu_smi, args.interval_s, devices, log_level=args.log_level
+    )
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:
-    specs = sim_worker_specs(args.num_workers, args.worker_base_port, args.sim_arg)
-    settings = settings_from_args(args, workers=[spec.url for spec in specs])
+    try:
+        group = group_options_from_args(args)
+    except ValueError as error:
+        print(f"mineru-gateway up: {error}", file=sys.stderr)
+        return 2
+    settings = settings_from_args(args, workers=group.worker_urls())
     configure_logging(settings.log_level, settings.log_format)
-    supervisor = Supervisor(specs)
-
-    async def main() -> None:
-        try:
-            await supervisor.start()
-            gateway = server.make_server(
-                create_app(settings), settings.host, settings.port, settings.log_level
-            )
-            log.info("gateway_listening", url=f"http://{settings.host}:{settings.port}")
-            await gateway.serve()
-        finally:
-            await supervisor.stop()
-
-    server.run_async(main)
-    return 0
+    return run_group(settings, group)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,12 @@ class GatewaySettings(BaseSettings):
         description="Consecutive failures (5xx, dropped connections) that take a worker out of "
         "routing until its next good health check; a refused connection ejects at once.",
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT: new requests get 503 and /ready turns 503 at once; "
+        "requests in flight get this long to finish before they are cut.",
+    )
     health_interval_s: float = Field(2.0, gt=0, description="Between two health checks.")
     health_timeout_s: float = Field(2.0, gt=0, description="One health check, /health + models.")
     npu_smi: str = Field(

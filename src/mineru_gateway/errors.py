@@ -7,6 +7,7 @@
     ├── RequestTooLarge               413 request_too_large
     └── UpstreamError                 502 upstream_error          (a worker failed us)
         ├── NoHealthyWorker           503 no_healthy_worker
+        ├── ShuttingDown              503 shutting_down           (draining before exit)
         ├── UpstreamConnectError      502 upstream_connect_error   (nothing was sent: retry safe)
         └── UpstreamTimeout           504 upstream_timeout
 
@@ -79,6 +80,10 @@ class NoHealthyWorker(UpstreamError):
     status = 503
     type = "service_unavailable"
     code = "no_healthy_worker"
+
+
+class ShuttingDown(NoHealthyWorker):
+    code = "shutting_down"
 
 
 class UpstreamConnectError(UpstreamError):

@@ -36,10 +36,16 @@ class Server(uvicorn.Server):
     def _request_exit(self) -> None:
         if self.on_signal is not None:
             self.on_signal()
+        if self.should_exit:
+            self.force_exit = True  # a second Ctrl-C skips the drain, as uvicorn's own does
         self.should_exit = True
 
 
-def make_server(app: Any, host: str, port: int, log_level: str) -> Server:
+def make_server(
+    app: Any, host: str, port: int, log_level: str, graceful_timeout_s: float | None = None
+) -> Server:
+    """`graceful_timeout_s`: on shutdown, how long in-flight requests may take to finish (the
+    listening socket closes at once); None waits for them all."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -51,13 +57,25 @@ def make_server(app: Any, host: str, port: int, log_level: str) -> Server:
         access_log=False,  # the gateway logs each request itself, with its request id
         backlog=4096,
         timeout_keep_alive=30,
+        # uvicorn annotates int, but only hands the value to asyncio.wait_for: a float works.
+        timeout_graceful_shutdown=graceful_timeout_s,  # type: ignore[arg-type]
     )
     return Server(config)
 
 
-def run(app: Any, host: str, port: int, log_level: str) -> None:
-    """Serves `app` until SIGINT/SIGTERM, on uvloop."""
-    make_server(app, host, port, log_level).run()
+def run(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    *,
+    graceful_timeout_s: float | None = None,
+    on_signal: Callable[[], None] | None = None,
+) -> None:
+    """Serves `app` until SIGINT/SIGTERM, on uvloop; `on_signal` runs first (e.g. draining)."""
+    served = make_server(app, host, port, log_level, graceful_timeout_s)
+    served.on_signal = on_signal
+    served.run()
 
 
 def run_async(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import httpx
 
+from mineru_gateway.api.app import create_app
+from mineru_gateway.api.context import Lifecycle
+from mineru_gateway.config import GatewaySettings
 from tests.conftest import StartGateway, StartSim
+from tests.support.servers import serve
 from tests.support.workers import Script
 
 CHAT = "/v1/chat/completions"
@@ -88,4 +92,20 @@ def test_workers_found_through_dns(
     described = httpx.get(gateway + "/v1/workers").json()["workers"]
     assert f"http://127.0.0.1:{port}" in {w["url"] for w in described if w["state"] == "healthy"}
     assert httpx.post(gateway + CHAT, json=BODY).status_code == 200
+    assert len(script.seen) == 1
+
+
+def test_a_draining_gateway_admits_nothing_new(scripted: tuple[Script, str]) -> None:
+    script, worker = scripted
+    lifecycle = Lifecycle()
+    settings = GatewaySettings(workers=[worker], port=0, log_level="warning")
+    with serve(create_app(settings, lifecycle)) as gateway:
+        assert httpx.post(gateway + CHAT, json=BODY).status_code == 200
+        assert httpx.get(gateway + "/ready").status_code == 200
+        lifecycle.start_draining()
+        refused = httpx.post(gateway + CHAT, json=BODY)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(gateway + "/ready").json()["error"]["code"] == "shutting_down"
+        assert httpx.get(gateway + "/health").status_code == 200
     assert len(script.seen) == 1

@@ -21,11 +21,11 @@ from starlette.routing import Route
 
 from mineru_gateway import __version__
 from mineru_gateway.api.auth import check_api_key
-from mineru_gateway.api.context import GatewayContext
+from mineru_gateway.api.context import GatewayContext, Lifecycle
 from mineru_gateway.api.relay import PATHS, Relay
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
-from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker
+from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker, ShuttingDown
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, build_registry
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.telemetry import (
@@ -41,7 +41,7 @@ from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 log = structlog.get_logger("mineru_gateway.app")
 
 
-def build_context(settings: GatewaySettings) -> GatewayContext:
+def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> GatewayContext:
     client = UpstreamClient(
         Timeouts(
             connect_s=settings.connect_timeout_s,
@@ -68,7 +68,13 @@ def build_context(settings: GatewaySettings) -> GatewayContext:
         metrics=metrics,
         rng=random.Random(),
     )
-    return GatewayContext(settings=settings, client=client, registry=registry, metrics=metrics)
+    return GatewayContext(
+        settings=settings,
+        client=client,
+        registry=registry,
+        metrics=metrics,
+        lifecycle=lifecycle or Lifecycle(),
+    )
 
 
 def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
@@ -91,10 +97,12 @@ def build_metrics_registry(
     return registry
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        context = build_context(settings)
+        context = build_context(settings, lifecycle)
         telemetry = build_telemetry(settings)
         metrics_registry = build_metrics_registry(context, telemetry)
         discovery = DnsDiscovery(
@@ -142,7 +150,10 @@ def _add_control_routes(app: FastAPI) -> None:
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         """Readiness: at least one worker can serve."""
-        registry = _context(request).registry
+        context = _context(request)
+        registry = context.registry
+        if context.lifecycle.draining:
+            raise ShuttingDown("the gateway is shutting down")
         if not registry.any_healthy():
             raise NoHealthyWorker("no healthy worker")
         healthy = sum(worker.healthy for worker in registry.workers)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import UpstreamClient
+
+
+@dataclass(slots=True)
+class Lifecycle:
+    """Set by the server's signal handler: from then on the gateway admits no new requests."""
+
+    draining: bool = False
+
+    def start_draining(self) -> None:
+        self.draining = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,3 +26,4 @@ class GatewayContext:
     client: UpstreamClient
     registry: WorkerRegistry
     metrics: GatewayMetrics
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)

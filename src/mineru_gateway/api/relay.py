@@ -37,6 +37,7 @@ from mineru_gateway.api.requests import (
 )
 from mineru_gateway.errors import (
     GatewayError,
+    ShuttingDown,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
@@ -149,6 +150,8 @@ class Relay:
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
+            if context.lifecycle.draining:
+                raise ShuttingDown("the gateway is shutting down; retry on another replica")
             check_api_key(context.settings, headers.get(b"authorization"))
             body = await read_body(
                 receive, _content_length(headers), context.settings.max_body_bytes

@@ -1,8 +1,22 @@
-"""Starting, watching and stopping worker processes (uvicorn's supervisor split, STYLE.md).
+"""Starting, watching, restarting and stopping worker processes (uvicorn's supervisor split,
+STYLE.md): the supervisor only manages processes; routing learns about health from its own probes.
 
-Each worker runs in its own process group, so stopping it reaches every process it spawned (vLLM
-starts an engine-core child), and asks the kernel to signal it if the supervisor itself dies, so
-no worker outlives its supervisor even after a SIGKILL.
+One task per worker runs its life:
+
+    spawn -> starting --/health 200--> healthy --`unhealthy_after` failed checks--+
+       ^        |  exits, or not healthy within `start_timeout_s`       | exits     |
+       |        v                                                       v           v
+       +-- back off <------------------------ stop its process group <-------------+
+
+- Each worker runs in a session (process group) of its own, so stopping it reaches every process
+  it spawned (vLLM starts an engine core and workers), and asks the kernel to SIGTERM it when the
+  supervisor dies, so no worker outlives its supervisor even after a SIGKILL.
+- Stopping a worker: SIGTERM to its main process (vLLM then shuts its engine core down in order),
+  then SIGTERM to what is left of its group, then SIGKILL (tests/support/vllm_server.py).
+- Restarts back off exponentially (`backoff_s * 2**n`, capped); a worker that had stayed healthy
+  for `backoff_reset_s` starts again from `backoff_s`.
+- Output goes to one file per worker (appended across restarts), and with `log_to_terminal` also
+  to the terminal, each line prefixed `[name]`.
 """
 
 from __future__ import annotations
@@ -16,6 +30,9 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Literal
 
 import aiohttp
 import structlog
@@ -23,6 +40,9 @@ import structlog
 log = structlog.get_logger("mineru_gateway.supervisor")
 
 PR_SET_PDEATHSIG = 1
+GROUP_GRACE_S = 5.0  # after the main process: TERM to the rest of its group, then KILL
+
+WorkerState = Literal["starting", "healthy", "unhealthy", "backoff", "stopped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +52,68 @@ class WorkerSpec:
     name: str
     argv: Sequence[str]
     url: str
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] | None = None  # the complete environment; None: the supervisor's
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """Start-up budget, health checks, stop grace and restart backoff."""
+
+    start_timeout_s: float = 900.0  # vLLM on NPUs: model load and graph capture take minutes
+    start_poll_s: float = 0.5  # /health while starting (a ready worker is noticed at once)
+    health_interval_s: float = 5.0  # /health once healthy
+    health_timeout_s: float = 5.0
+    unhealthy_after: int = 3  # failed checks in a row before a healthy worker is restarted
+    stop_timeout_s: float = 15.0  # SIGTERM to the main process until it exits
+    backoff_s: float = 1.0
+    backoff_cap_s: float = 60.0
+    backoff_reset_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.unhealthy_after < 1:
+            raise ValueError("unhealthy_after must be at least 1")
+        for name in ("start_timeout_s", "start_poll_s", "health_interval_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not 0 <= self.backoff_s <= self.backoff_cap_s:
+            raise ValueError("need 0 <= backoff_s <= backoff_cap_s")
+
+    def delay(self, failures: int) -> float:
+        """Seconds before the restart that follows `failures` earlier failures in a row."""
+        return float(min(self.backoff_s * 2 ** min(failures, 32), self.backoff_cap_s))
+
+
+@dataclass(slots=True)
+class ManagedWorker:
+    """One worker's process and history, owned by its supervisor task."""
+
+    spec: WorkerSpec
+    state: WorkerState = "stopped"
+    process: asyncio.subprocess.Process | None = None
+    starts: int = 0
+    failures: int = 0  # in a row, for the backoff
+    started_at: float = 0.0
+    healthy_since: float | None = None
+    last_reason: str | None = None  # why it was last restarted
+    last_delay_s: float | None = None  # the backoff before that restart
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while healthy
+    output_task: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    @property
+    def restarts(self) -> int:
+        return max(self.starts - 1, 0)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -41,115 +122,297 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-@dataclass(slots=True)
-class ManagedWorker:
-    spec: WorkerSpec
-    process: asyncio.subprocess.Process | None = None
-    restarts: int = 0
-    started_at: float = 0.0
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
-
-
 class Supervisor:
-    """Runs a group of workers: start, wait until healthy, restart on exit, stop the groups."""
+    """Runs a group of workers: starts them in parallel, restarts the failed ones, stops them all.
+
+    `start()` returns at once; `wait_all_ready()` waits until every worker has been healthy.
+    """
 
     def __init__(
         self,
         specs: Sequence[WorkerSpec],
+        policy: RestartPolicy | None = None,
         *,
-        start_timeout_s: float = 60.0,
-        stop_timeout_s: float = 10.0,
-        backoff_s: float = 1.0,
-        backoff_cap_s: float = 30.0,
+        log_dir: Path | None = None,
+        log_to_terminal: bool = False,
+        terminal: IO[bytes] | None = None,
     ) -> None:
         self.workers = [ManagedWorker(spec) for spec in specs]
-        self._start_timeout = start_timeout_s
-        self._stop_timeout = stop_timeout_s
-        self._backoff = backoff_s
-        self._backoff_cap = backoff_cap_s
-        self._watch: asyncio.Task[None] | None = None
-        self._stopping = False
+        self.policy = policy or RestartPolicy()
+        self._log_dir = log_dir
+        self._tee = log_to_terminal
+        self._terminal = terminal
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def log_path(self, worker: ManagedWorker) -> Path | None:
+        return self._log_dir / f"{worker.name}.log" if self._log_dir is not None else None
 
     async def start(self) -> None:
-        """Starts every worker and waits until each answers `/health`."""
+        """Starts every worker (in parallel) and returns; each is then watched and restarted."""
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._session = aiohttp.ClientSession()
+        self._tasks = [
+            asyncio.create_task(self._supervise(worker), name=f"supervise-{worker.name}")
+            for worker in self.workers
+        ]
+
+    async def wait_all_ready(self) -> None:
+        """Returns once every worker is healthy at the same time."""
+        while not all(worker.ready.is_set() for worker in self.workers):
+            await asyncio.gather(*(worker.ready.wait() for worker in self.workers))
+
+    async def stop(self) -> None:
+        """Stops supervising, then stops every worker's whole process group."""
+        self._stop.set()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for worker, result in zip(self.workers, results, strict=False):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                log.error("supervisor_task_failed", worker=worker.name, error=repr(result))
+        await asyncio.gather(*(self._terminate(worker) for worker in self.workers))
+        if self._session is not None:
+            await self._session.close()
         for worker in self.workers:
-            await self._spawn(worker)
-        await asyncio.gather(*(self._wait_healthy(worker) for worker in self.workers))
-        self._watch = asyncio.create_task(self._restart_exited(), name="supervisor-watch")
+            worker.state = "stopped"
+
+    # -- one worker's life ------------------------------------------------------------------
+    async def _supervise(self, worker: ManagedWorker) -> None:
+        while not self._stop.is_set():
+            try:
+                await self._spawn(worker)
+            except OSError as error:
+                reason = f"could not start: {error}"
+            else:
+                reason = await self._watch(worker)
+                if self._stop.is_set():
+                    return
+                await self._terminate(worker)
+            self._set_unready(worker, "backoff")
+            delay = self._next_delay(worker)
+            worker.last_reason, worker.last_delay_s = reason, delay
+            log.warning(
+                "worker_restarting",
+                worker=worker.name,
+                reason=reason,
+                restart_in_s=delay,
+                restarts=worker.restarts,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+
+    def _next_delay(self, worker: ManagedWorker) -> float:
+        stable = self.policy.backoff_reset_s
+        if worker.healthy_since is not None and time.monotonic() - worker.healthy_since >= stable:
+            worker.failures = 0
+        delay = self.policy.delay(worker.failures)
+        worker.failures += 1
+        worker.healthy_since = None
+        return delay
 
     async def _spawn(self, worker: ManagedWorker) -> None:
         spec = worker.spec
-        worker.process = await asyncio.create_subprocess_exec(
-            *spec.argv,
-            env={**os.environ, **spec.env},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        worker.starts += 1
+        worker.state = "starting"
+        log_file = self._open_log(worker)
+        try:
+            stdout: IO[bytes] | int | None = log_file
+            if self._tee:
+                stdout = asyncio.subprocess.PIPE
+            worker.process = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                env=dict(spec.env) if spec.env is not None else None,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=asyncio.subprocess.STDOUT if stdout is not None else None,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError:
+            if log_file is not None:
+                log_file.close()
+            raise
         worker.started_at = time.monotonic()
-        log.info("worker_started", worker=spec.name, pid=worker.process.pid, url=spec.url)
+        if self._tee and worker.process.stdout is not None:
+            worker.output_task = asyncio.create_task(
+                _copy_output(worker.process.stdout, worker.name, log_file, self._terminal),
+                name=f"output-{worker.name}",
+            )
+        elif log_file is not None:
+            log_file.close()  # the child has its own descriptor
+        log.info(
+            "worker_started",
+            worker=worker.name,
+            pid=worker.process.pid,
+            url=spec.url,
+            start=worker.starts,
+            log=str(self.log_path(worker)) if self._log_dir else None,
+        )
 
-    async def _wait_healthy(self, worker: ManagedWorker) -> None:
-        deadline = time.monotonic() + self._start_timeout
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if not worker.running:
-                    raise RuntimeError(f"worker {worker.spec.name} exited while starting")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(
-                        f"{worker.spec.url}/health", timeout=aiohttp.ClientTimeout(total=2)
-                    ) as response:
-                        if response.status == 200:
-                            log.info("worker_ready", worker=worker.spec.name)
-                            return
-                await asyncio.sleep(0.1)
-        raise TimeoutError(f"worker {worker.spec.name} not healthy after {self._start_timeout} s")
+    def _open_log(self, worker: ManagedWorker) -> IO[bytes] | None:
+        path = self.log_path(worker)
+        if path is None:
+            return None
+        log_file = path.open("ab")
+        stamp = datetime.now(UTC).isoformat(timespec="seconds")
+        header = f"==== {stamp} mineru-gateway: start {worker.starts} of {worker.name}: "
+        log_file.write((header + " ".join(worker.spec.argv) + "\n").encode())
+        log_file.flush()
+        return log_file
 
-    async def _restart_exited(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(0.2)
-            for worker in self.workers:
-                if not worker.running and not self._stopping:
-                    await self._restart(worker)
+    async def _watch(self, worker: ManagedWorker) -> str:
+        """Waits until the worker must be restarted (or the supervisor stops); says why."""
+        assert worker.process is not None
+        process = worker.process
+        exited = asyncio.ensure_future(process.wait())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        deadline = worker.started_at + self.policy.start_timeout_s
+        misses = 0
+        try:
+            while True:
+                healthy = worker.state in ("healthy", "unhealthy")
+                interval = self.policy.health_interval_s if healthy else self.policy.start_poll_s
+                await asyncio.wait(
+                    (exited, stopping), timeout=interval, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stopping.done():
+                    return "stopping"
+                if exited.done():
+                    return f"exited with status {process.returncode}"
+                problem = await self._probe(worker)
+                if problem is None:
+                    misses = 0
+                    self._set_healthy(worker)
+                elif healthy:
+                    misses += 1
+                    self._set_unready(worker, "unhealthy")
+                    log.warning(
+                        "worker_check_failed",
+                        worker=worker.name,
+                        error=problem,
+                        misses=misses,
+                    )
+                    if misses >= self.policy.unhealthy_after:
+                        return f"unhealthy: {problem} ({misses} checks in a row)"
+                elif time.monotonic() > deadline:
+                    return f"not healthy within {self.policy.start_timeout_s:g} s ({problem})"
+        finally:
+            exited.cancel()
+            stopping.cancel()
 
-    async def _restart(self, worker: ManagedWorker) -> None:
-        code = worker.process.returncode if worker.process else None
-        delay = min(self._backoff * 2**worker.restarts, self._backoff_cap)
-        if time.monotonic() - worker.started_at > 5 * self._backoff_cap:
-            delay = self._backoff  # it ran well for a while: this is a fresh failure
-            worker.restarts = 0
-        log.warning("worker_exited", worker=worker.spec.name, code=code, restart_in_s=delay)
-        await asyncio.sleep(delay)
-        if not self._stopping:
-            worker.restarts += 1
-            await self._spawn(worker)
+    async def _probe(self, worker: ManagedWorker) -> str | None:
+        """None when `/health` answers 200, else what went wrong."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.policy.health_timeout_s)
+        try:
+            async with self._session.get(f"{worker.spec.url}/health", timeout=timeout) as response:
+                return None if response.status == 200 else f"/health answered {response.status}"
+        except TimeoutError:
+            return f"/health timed out after {self.policy.health_timeout_s:g} s"
+        except aiohttp.ClientError as error:
+            return f"/health failed: {error}"
 
-    async def stop(self) -> None:
-        """TERM each worker's process group, then KILL what is left after the grace period."""
-        self._stopping = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        await asyncio.gather(*(self._stop_one(worker) for worker in self.workers))
+    def _set_healthy(self, worker: ManagedWorker) -> None:
+        if worker.state == "healthy":
+            return
+        if worker.state == "starting":
+            log.info(
+                "worker_ready",
+                worker=worker.name,
+                url=worker.spec.url,
+                after_s=round(time.monotonic() - worker.started_at, 1),
+                restarts=worker.restarts,
+            )
+            worker.healthy_since = time.monotonic()
+        else:
+            log.info("worker_recovered", worker=worker.name)
+        worker.state = "healthy"
+        worker.ready.set()
 
-    async def _stop_one(self, worker: ManagedWorker) -> None:
+    def _set_unready(self, worker: ManagedWorker, state: WorkerState) -> None:
+        worker.state = state
+        worker.ready.clear()
+
+    # -- stopping ---------------------------------------------------------------------------
+    async def _terminate(self, worker: ManagedWorker) -> None:
+        """Ends the worker's main process, then anything left in its process group."""
         process = worker.process
         if process is None:
             return
-        _signal_group(process.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), self._stop_timeout)
-        except TimeoutError:
-            log.warning("worker_killed", worker=worker.spec.name)
-        # The group may hold children that outlived the leader: end them too.
-        _signal_group(process.pid, signal.SIGKILL)
+        if process.returncode is None:
+            _signal_process(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), self.policy.stop_timeout_s)
+            except TimeoutError:
+                log.warning("worker_stop_timeout", worker=worker.name, pid=process.pid)
+        pgid = process.pid  # start_new_session: the main process leads its own group
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            if not await _wait_group_gone(pgid, min(GROUP_GRACE_S, self.policy.stop_timeout_s)):
+                log.warning("worker_group_killed", worker=worker.name, pgid=pgid)
+                _signal_group(pgid, signal.SIGKILL)
+                await _wait_group_gone(pgid, GROUP_GRACE_S)
         await process.wait()
-        log.info("worker_stopped", worker=worker.spec.name, code=process.returncode)
+        if worker.output_task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.output_task, GROUP_GRACE_S)
+            worker.output_task = None
+        log.info("worker_stopped", worker=worker.name, status=process.returncode)
+
+
+async def _copy_output(
+    stream: asyncio.StreamReader,
+    name: str,
+    log_file: IO[bytes] | None,
+    terminal: IO[bytes] | None,
+) -> None:
+    """Copies a worker's output to its log file and, line by line prefixed, to the terminal."""
+    out = terminal if terminal is not None else sys.stderr.buffer
+    prefix = f"[{name}] ".encode()
+    pending = b""
+    try:
+        while chunk := await stream.read(65536):
+            if log_file is not None:
+                log_file.write(chunk)
+                log_file.flush()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                out.write(b"".join(prefix + line + b"\n" for line in lines))
+                out.flush()
+        if pending:
+            out.write(prefix + pending + b"\n")
+            out.flush()
+    finally:
+        if log_file is not None:
+            log_file.close()
+
+
+def _signal_process(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _wait_group_gone(pgid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

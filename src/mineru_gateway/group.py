@@ -1,0 +1,266 @@
+"""`mineru-gateway up`: N workers and the gateway as one supervised group, in one process.
+
+- The gateway listens first (a port already taken fails before any slow vLLM start), then the
+  workers start in parallel. The gateway answers 503 until a worker is healthy: its registry adds a
+  worker to routing only after a good probe, and drops it again when it fails.
+- The supervisor restarts a worker that exits or stops answering `/health`, with backoff; the
+  gateway serves on the others meanwhile and takes the worker back once its probe passes.
+- SIGTERM/SIGINT: the gateway stops accepting connections and lets in-flight requests finish for
+  up to `drain_timeout_s` (uvicorn's graceful shutdown; a second signal skips the wait), then the
+  workers are stopped (TERM, then KILL, whole process groups) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from mineru_gateway import server
+from mineru_gateway.api.app import create_app
+from mineru_gateway.api.context import Lifecycle
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.workers.launcher import (
+    LauncherSettings,
+    VllmOptions,
+    WorkerCommand,
+    add_vllm_arguments,
+    build_sim_command,
+    build_vllm_command,
+    cpu_binds,
+)
+from mineru_gateway.workers.supervisor import RestartPolicy, Supervisor, WorkerSpec
+
+log = structlog.get_logger("mineru_gateway.group")
+
+Engine = Literal["sim", "vllm"]
+WORKER_HOST = "127.0.0.1"  # workers of a local group are reached by this process only
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOptions:
+    """Everything `up` needs besides the gateway's settings."""
+
+    engine: Engine
+    num_workers: int
+    log_dir: Path
+    base_port: int = 30001
+    sim_args: tuple[str, ...] = ()
+    vllm: VllmOptions | None = None
+    cpus: tuple[int, ...] = ()  # cores to share among cpu vLLM workers
+    log_to_terminal: bool = False
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if self.engine == "vllm" and self.vllm is None:
+            raise ValueError("engine vllm needs vLLM options")
+
+    def commands(self, environ: Mapping[str, str]) -> list[WorkerCommand]:
+        """One command per worker, from the one builder (workers.launcher)."""
+        if self.engine == "sim" or self.vllm is None:
+            return [
+                build_sim_command(i, base_port=self.base_port, extra_args=self.sim_args)
+                for i in range(self.num_workers)
+            ]
+        binds: Sequence[str | None] = [None] * self.num_workers
+        if self.vllm.platform == "cpu":
+            binds = cpu_binds(self.num_workers, self.cpus or sorted(os.sched_getaffinity(0)))
+        return [
+            build_vllm_command(i, self.vllm, cpu_bind=binds[i], environ=environ)
+            for i in range(self.num_workers)
+        ]
+
+    def specs(self, environ: Mapping[str, str]) -> list[WorkerSpec]:
+        return [
+            WorkerSpec(f"worker-{i}", command.argv, command.url(), command.environ(environ))
+            for i, command in enumerate(self.commands(environ))
+        ]
+
+    def worker_urls(self) -> list[str]:
+        return [command.url() for command in self.commands({})]
+
+
+def default_log_dir(environ: Mapping[str, str]) -> Path:
+    """`$XDG_STATE_HOME/mineru-gateway/logs`, by default `~/.local/state/mineru-gateway/logs`."""
+    state = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "mineru-gateway" / "logs"
+
+
+def add_group_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `mineru-gateway up` other than the gateway's settings."""
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="worker engine")
+    parser.add_argument(
+        "--workers", "-n", dest="num_workers", type=int, default=4, help="how many workers"
+    )
+    parser.add_argument(
+        "--worker-base-port",
+        type=int,
+        metavar="PORT",
+        help="worker N listens on PORT + N [env MINERU_GATEWAY_WORKER_BASE_PORT; default 30001]",
+    )
+    parser.add_argument(
+        "--sim-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for each simulated worker, e.g. --sim-arg=--time-scale=10",
+    )
+    add_vllm_arguments(parser)
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vLLM argument for each worker, e.g. --vllm-arg=--max-num-seqs=64",
+    )
+    supervision = parser.add_argument_group("supervision")
+    supervision.add_argument(
+        "--log-dir",
+        type=Path,
+        help="one log file per worker here [default $XDG_STATE_HOME/mineru-gateway/logs]",
+    )
+    supervision.add_argument(
+        "--log-to-terminal",
+        action="store_true",
+        help="also print worker output on the terminal, each line prefixed [worker-N]",
+    )
+    policy = RestartPolicy()
+    for flag, default, help_text in (
+        ("--start-timeout-s", policy.start_timeout_s, "a worker not healthy by then is restarted"),
+        ("--stop-timeout-s", policy.stop_timeout_s, "SIGTERM to a worker, then SIGKILL"),
+        ("--restart-backoff-s", policy.backoff_s, "first restart delay, doubled each failure"),
+        ("--restart-backoff-max-s", policy.backoff_cap_s, "longest restart delay"),
+    ):
+        supervision.add_argument(
+            flag, type=float, default=default, help=f"{help_text} (default {default:g})"
+        )
+    supervision.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=policy.unhealthy_after,
+        metavar="N",
+        help=f"restart a worker after N failed /health checks in a row "
+        f"(every {policy.health_interval_s:g} s; default {policy.unhealthy_after})",
+    )
+
+
+def group_options_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> GroupOptions:
+    """`up`'s flags (and MINERU_GATEWAY_* variables) as options; ValueError when inconsistent."""
+    environ = os.environ if environ is None else environ
+    launcher = LauncherSettings.from_args(args)
+    vllm = None
+    if args.engine == "vllm":
+        vllm = launcher.vllm_options(args.vllm_arg, host=WORKER_HOST)
+        if shutil.which(vllm.vllm_python, path=environ.get("PATH")) is None:
+            raise ValueError(
+                f"vLLM's Python {vllm.vllm_python!r} was not found: set --vllm-python or "
+                "MINERU_GATEWAY_VLLM_PYTHON to the interpreter of vLLM's environment"
+            )
+    defaults = RestartPolicy()
+    policy = RestartPolicy(
+        start_timeout_s=args.start_timeout_s,
+        stop_timeout_s=args.stop_timeout_s,
+        backoff_s=args.restart_backoff_s,
+        backoff_cap_s=args.restart_backoff_max_s,
+        unhealthy_after=args.unhealthy_after,
+        health_interval_s=defaults.health_interval_s,
+    )
+    return GroupOptions(
+        engine=args.engine,
+        num_workers=args.num_workers,
+        log_dir=args.log_dir or default_log_dir(environ),
+        base_port=launcher.worker_base_port,
+        sim_args=tuple(args.sim_arg),
+        vllm=vllm,
+        log_to_terminal=args.log_to_terminal,
+        policy=policy,
+    )
+
+
+def run_group(settings: GatewaySettings, options: GroupOptions) -> int:
+    """Runs the group until SIGTERM/SIGINT; 0 once everything has stopped."""
+    server.run_async(lambda: serve_group(settings, options))
+    return 0
+
+
+async def serve_group(
+    settings: GatewaySettings, options: GroupOptions, environ: Mapping[str, str] | None = None
+) -> None:
+    specs = options.specs(os.environ if environ is None else environ)
+    supervisor = Supervisor(
+        specs,
+        options.policy,
+        log_dir=options.log_dir,
+        log_to_terminal=options.log_to_terminal,
+    )
+    lifecycle = Lifecycle()
+    gateway = server.make_server(
+        create_app(settings, lifecycle),
+        settings.host,
+        settings.port,
+        settings.log_level,
+        graceful_timeout_s=settings.drain_timeout_s,
+    )
+    gateway.on_signal = lifecycle.start_draining
+    serving = asyncio.create_task(gateway.serve(), name="gateway")
+    # uvicorn only exposes a flag for "listening": poll it briefly.
+    while not gateway.started and not serving.done():  # noqa: ASYNC110
+        await asyncio.sleep(0.02)
+    if not gateway.started:
+        await serving  # stopped (or failed) before it listened
+        return
+    gateway_url = f"http://{settings.host}:{settings.port}"
+    log.info(
+        "gateway_listening",
+        url=gateway_url,
+        engine=options.engine,
+        workers=[spec.url for spec in specs],
+        worker_logs=str(options.log_dir),
+    )
+    started = time.monotonic()
+    await supervisor.start()
+    announce = asyncio.create_task(_announce_ready(supervisor, gateway_url, started))
+    try:
+        await serving
+    finally:
+        announce.cancel()
+        with _signals_deferred():
+            await supervisor.stop()
+    log.info("group_stopped")
+
+
+async def _announce_ready(supervisor: Supervisor, gateway_url: str, started: float) -> None:
+    await supervisor.wait_all_ready()
+    log.info(
+        "all_workers_ready",
+        workers=len(supervisor.workers),
+        gateway=gateway_url,
+        after_s=round(time.monotonic() - started, 1),
+    )
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """While workers stop, another SIGTERM/SIGINT must not cut that short and leave them behind."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, log.info, "already_stopping_workers")
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

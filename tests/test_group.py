@@ -1,0 +1,470 @@
+"""`mineru-gateway up` as users run it: real processes, real signals, load while a worker dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mineru_gateway.cli import build_parser
+from mineru_gateway.group import default_log_dir, group_options_from_args
+from mineru_gateway.workers.launcher import VllmOptions, build_vllm_command
+from tests.support.ports import free_port_block
+from tests.support.servers import CliProcess, free_port, wait_http_ok
+from tests.support.vllm_server import DEFAULT_ENV, group_pids, vllm_paths_from_env
+
+CHAT = {"messages": [{"role": "user", "content": "\nText Recognition:"}]}
+
+
+def pids_with_args(*markers: str) -> list[int]:
+    """Live processes whose command line holds every marker."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and all(marker in cmdline for marker in markers):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+class Up:
+    """`mineru-gateway up ...` in its own process group, logging to a file."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port, self.base = free_port(), free_port_block(4)
+        self.log_path = tmp_path / "up.log"
+        self.worker_logs = tmp_path / "workers"
+        self.cli = CliProcess.mineru_gateway(
+            "up",
+            "--port",
+            str(self.port),
+            "--worker-base-port",
+            str(self.base),
+            "--log-dir",
+            str(self.worker_logs),
+            "--log-format",
+            "console",
+            "--health-interval-s",
+            "0.3",
+            *args,
+            env=env,
+        )
+        self.proc = self.cli.start(log_path=str(self.log_path))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self, tail: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def workers(self) -> list[dict[str, object]]:
+        workers: list[dict[str, object]] = httpx.get(self.url + "/v1/workers").json()["workers"]
+        return workers
+
+    def wait_all_healthy(self, count: int, timeout: float = 60) -> None:
+        wait_http_ok(self.url + "/ready", timeout, self.proc)
+        wait_until(
+            lambda: [w["state"] for w in self.workers()] == ["healthy"] * count,
+            timeout,
+            f"{count} healthy workers\n{self.log()}",
+        )
+
+    def worker_pid(self, index: int) -> int:
+        pids = pids_with_args("mineru_gateway sim", f"--port {self.base + index}")
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    def stop(self) -> int | None:
+        return self.cli.stop(timeout=30)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Up]]:
+    started: list[Up] = []
+    yield started
+    for up in started:
+        up.stop()
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+def test_up_options_choose_the_worker_commands_from_the_one_builder(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    args = build_parser().parse_args(
+        [
+            *("up", "--engine", "vllm", "--workers", "2", "--model", "/models/MinerU2.5-2509-1.2B"),
+            *("--vllm-python", str(fake), "--vllm-arg=--max-num-seqs=64", "--log-dir", "/l"),
+        ]
+    )
+    options = group_options_from_args(args, environ={"PATH": "/bin", "VIRTUAL_ENV": "/v"})
+    vllm = VllmOptions(
+        model="/models/MinerU2.5-2509-1.2B",
+        vllm_python=str(fake),
+        extra_args=("--max-num-seqs=64",),
+    )
+    expected = [build_vllm_command(i, vllm, environ={"PATH": "/bin"}) for i in (0, 1)]
+    specs = options.specs({"PATH": "/bin", "VIRTUAL_ENV": "/v"})
+    assert [spec.argv for spec in specs] == [command.argv for command in expected]
+    assert [spec.env for spec in specs] == [
+        command.environ({"PATH": "/bin"}) for command in expected
+    ]
+    assert options.worker_urls() == ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]
+    assert options.log_dir == Path("/l")
+
+
+def test_cpu_workers_of_a_group_bind_disjoint_cores(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        [
+            *("up", "--engine", "vllm", "--platform", "cpu", "--workers", "2", "--model", "/m"),
+            *("--vllm-python", sys.executable),
+        ]
+    )
+    options = replace(group_options_from_args(args, environ={}), cpus=(0, 1))
+    binds = [spec.env["VLLM_CPU_OMP_THREADS_BIND"] for spec in options.specs({}) if spec.env]
+    assert binds == ["0", "1"]
+
+
+def test_worker_logs_default_to_the_xdg_state_directory() -> None:
+    assert default_log_dir({"XDG_STATE_HOME": "/s"}) == Path("/s/mineru-gateway/logs")
+    assert default_log_dir({}) == Path.home() / ".local/state/mineru-gateway/logs"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "vllm", "--model", "m", "--vllm-python", "/nonexistent"], "was not found"),
+        (["--engine", "vllm", "--vllm-python", sys.executable], "a model is needed"),
+        (["--workers", "0"], "--workers must be at least 1"),
+    ],
+)
+def test_up_refuses_inconsistent_options_with_exit_2(args: list[str], message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINERU_GATEWAY_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "mineru_gateway", "up", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+# -- a worker killed under load -----------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, stream: bool) -> str:
+    """`ok`, `stream_error` (a clean SSE error event then [DONE]), or what went wrong."""
+    body = {**CHAT, "max_tokens": 40, "stream": stream}
+    try:
+        if not stream:
+            response = await client.post(url, json=body)
+            if response.status_code == 200 and response.json()["choices"]:
+                return "ok"
+            return f"non-stream status {response.status_code}: {response.text[:300]}"
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                return f"stream status {response.status_code}: {(await response.aread())[:300]!r}"
+            events = [
+                line.removeprefix("data: ")
+                async for line in response.aiter_lines()
+                if line.startswith("data: ")
+            ]
+    except httpx.HTTPError as error:
+        return f"transport error {type(error).__name__}: {error}"
+    if not events or events[-1] != "[DONE]":
+        return f"stream ended without [DONE] after {len(events)} events"
+    errors = [i for i, event in enumerate(events[:-1]) if "error" in json.loads(event)]
+    if not errors:
+        return "ok"
+    if errors == [len(events) - 2]:
+        return "stream_error"
+    return f"error events in the middle of a stream: {events}"
+
+
+async def load(url: str, clients: int, seconds: float) -> list[str]:
+    stop_at = time.monotonic() + seconds
+    results: list[str] = []
+
+    async def client_loop(stream: bool) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            while time.monotonic() < stop_at:
+                results.append(await one_request(client, url, stream))
+
+    await asyncio.gather(*(client_loop(stream=i % 2 == 0) for i in range(clients)))
+    return results
+
+
+def success_count(worker_url: str) -> float:
+    text = httpx.get(worker_url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(("vllm:request_success_total{", "vllm:request_success_total "))
+    )
+
+
+async def test_a_worker_killed_under_load_loses_no_request_and_comes_back(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    up = Up(
+        tmp_path,
+        "--workers",
+        "3",
+        "--sim-arg=--time-scale=3",
+        "--routing-policy",
+        "round_robin",
+        "--restart-backoff-s",
+        "0.5",
+    )
+    ups.append(up)
+    up.wait_all_healthy(3)
+    victim = up.worker_pid(1)
+    victim_url = f"http://127.0.0.1:{up.base + 1}"
+
+    async def kill_soon() -> None:
+        await asyncio.sleep(2.0)
+        os.killpg(victim, signal.SIGKILL)
+
+    killer = asyncio.create_task(kill_soon())
+    results = await load(up.url + "/v1/chat/completions", clients=12, seconds=5.0)
+    await killer
+
+    outcomes = Counter(results)
+    assert set(outcomes) <= {"ok", "stream_error"}, (outcomes, up.log())
+    assert outcomes["ok"] >= 12, outcomes  # every client got through, even on a busy machine
+    # Only streams that were running on the killed worker may end with an error event.
+    assert outcomes["stream_error"] <= 6, outcomes
+
+    # The worker is restarted and the gateway routes to it again.
+    up.wait_all_healthy(3, timeout=30)
+    assert up.worker_pid(1) != victim
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(6):
+            response = await client.post(
+                up.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4}
+            )
+            assert response.status_code == 200
+    assert success_count(victim_url) >= 1
+    assert "worker_restarting" in up.log(tail=10**7)
+    assert up.stop() == 0
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+
+def test_sigterm_lets_in_flight_streams_finish_then_stops_everything(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    up = Up(tmp_path, "--workers", "1", "--sim-arg=--time-scale=5", "--drain-timeout-s", "20")
+    ups.append(up)
+    up.wait_all_healthy(1)
+    worker = up.worker_pid(0)
+    events: list[str] = []
+    body = {**CHAT, "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", up.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(line)
+                break
+        os.kill(up.proc.pid, signal.SIGTERM)  # docker stop / kubelet signal the main process
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(up.url + "/health", timeout=2)
+        events += [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert not any('"error"' in event for event in events)
+    assert len(events) > 3
+    assert up.proc.wait(timeout=30) == 0, up.log()
+    wait_until(lambda: pids_with_args(f"--port {up.base}") == [], 10, "worker gone")
+    assert worker not in pids_with_args("mineru_gateway")
+
+
+def test_the_drain_is_bounded_by_its_timeout(tmp_path: Path, ups: list[Up]) -> None:
+    up = Up(tmp_path, "--workers", "1", "--sim-arg=--time-scale=50", "--drain-timeout-s", "1")
+    ups.append(up)
+    up.wait_all_healthy(1)
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", up.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        stopped_at = time.monotonic()
+        os.kill(up.proc.pid, signal.SIGTERM)
+        try:
+            rest = [line for line in lines if line.startswith("data: ")]
+        except httpx.HTTPError:
+            rest = ["(connection cut)"]
+    assert rest[-1:] != ["data: [DONE]"]  # cut short: the stream could not finish in time
+    assert up.proc.wait(timeout=30) == 0, up.log()
+    assert time.monotonic() - stopped_at < 10
+
+
+def test_workers_die_with_a_killed_supervisor(tmp_path: Path, ups: list[Up]) -> None:
+    up = Up(tmp_path, "--workers", "2", "--sim-arg=--time-scale=0.05")
+    ups.append(up)
+    up.wait_all_healthy(2)
+    assert len(pids_with_args(f"--port {up.base}")) == 1
+    os.kill(up.proc.pid, signal.SIGKILL)  # no chance to clean up: the kernel's PDEATHSIG does
+    up.proc.wait(timeout=10)
+    wait_until(
+        lambda: (
+            not pids_with_args(f"--port {up.base}") and not pids_with_args(f"--port {up.base + 1}")
+        ),
+        15,
+        "workers gone after their supervisor was killed",
+    )
+
+
+# -- the vLLM engine with a stand-in for vLLM's Python ------------------------------------------
+
+STAND_IN = """#!{python}
+# Stands in for vLLM's Python: records how it was started, then serves a simulated worker on the
+# port it was given, after a delay like vLLM's (much shorter) start.
+import json, os, sys, time
+args = sys.argv[1:]
+port = args[args.index("--port") + 1]
+name = args[args.index("--served-model-name") + 1]
+keys = ("ASCEND_RT_VISIBLE_DEVICES", "HCCL_IF_BASE_PORT", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+record = {{"argv": args, "env": {{k: os.environ.get(k) for k in keys}}}}
+with open(os.path.join({record_dir!r}, port + ".json"), "w") as out:
+    json.dump(record, out)
+time.sleep({delay})
+os.execv(sys.executable, [sys.executable, "-m", "mineru_gateway", "sim", "--port", port,
+         "--model-name", name, "--time-scale", "0.05"])
+"""
+
+
+def test_up_vllm_starts_each_worker_on_its_own_npu_and_serves_once_they_are_healthy(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    record_dir = tmp_path / "records"
+    record_dir.mkdir()
+    stand_in = tmp_path / "vllm-python"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, record_dir=str(record_dir), delay=3))
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
+    model = "/models/MinerU2.5-2509-1.2B"
+    up = Up(
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--workers",
+        "2",
+        "--model",
+        model,
+        "--vllm-python",
+        str(stand_in),
+        "--vllm-arg=--max-num-seqs=32",
+        env={"VIRTUAL_ENV": "/gateway/venv"},
+    )
+    ups.append(up)
+    wait_http_ok(up.url + "/health", 30, up.proc)
+    # The gateway listens at once and says it is not ready until a worker is healthy.
+    assert httpx.get(up.url + "/ready").status_code == 503
+    up.wait_all_healthy(2)
+    assert [m["id"] for m in httpx.get(up.url + "/v1/models").json()["data"]] == [
+        "MinerU2.5-2509-1.2B"
+    ]
+    for index in (0, 1):
+        record = json.loads((record_dir / f"{up.base + index}.json").read_text())
+        options = VllmOptions(
+            model=model,
+            vllm_python=str(stand_in),
+            base_port=up.base,
+            extra_args=("--max-num-seqs=32",),
+        )
+        assert tuple(record["argv"]) == build_vllm_command(index, options).argv[1:]
+        assert record["env"] == {
+            "ASCEND_RT_VISIBLE_DEVICES": str(index),
+            "HCCL_IF_BASE_PORT": str(61000 + 64 * index),
+            "VIRTUAL_ENV": None,
+            "OMP_NUM_THREADS": "8",
+        }
+    # The supervisor's own probe (every 0.5 s while starting) may see them a moment later.
+    wait_until(lambda: "all_workers_ready" in up.log(tail=10**7), 5, "the ready announcement")
+    assert up.log(tail=10**7).count("worker_ready") == 2
+    assert up.stop() == 0
+
+
+# -- real vLLM on CPU ---------------------------------------------------------------------------
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def vllm_server_pid(up: Up, index: int) -> int:
+    pids = pids_with_args("vllm.entrypoints.openai.api_server", f"--port {up.base + index}")
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def chat_through(up: Up, count: int) -> None:
+    for _ in range(count):
+        body = {**CHAT, "model": "tiny", "max_tokens": 4}
+        response = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.vllm
+def test_up_runs_real_vllm_workers_routes_to_both_and_restarts_a_killed_one(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    python, model = vllm_paths_from_env()
+    env = {**DEFAULT_ENV, "TMPDIR": str(tmp_path)}  # offline, no usage stats
+    del env["VLLM_CPU_OMP_THREADS_BIND"]  # the launcher binds each worker to its own cores
+    up = Up(
+        tmp_path,
+        *("--engine", "vllm", "--platform", "cpu", "--workers", "2"),
+        *("--model", model, "--served-model-name", "tiny", "--vllm-python", python),
+        *("--routing-policy", "round_robin", "--restart-backoff-s", "0.5"),
+        *("--start-timeout-s", "240"),
+        env=env,
+    )
+    ups.append(up)
+    up.wait_all_healthy(2, timeout=150)
+    first = [vllm_server_pid(up, i) for i in (0, 1)]
+    binds = [environ_of(pid)["VLLM_CPU_OMP_THREADS_BIND"] for pid in first]
+    assert len(set(binds)) == 2, binds  # each worker on cores of its own
+
+    chat_through(up, 6)
+    urls = [f"http://127.0.0.1:{up.base + i}" for i in (0, 1)]
+    assert [success_count(url) for url in urls] == [3, 3]
+
+    os.killpg(first[1], signal.SIGKILL)
+    chat_through(up, 3)  # the gateway keeps serving on the other worker
+    up.wait_all_healthy(2, timeout=120)
+    restarted = vllm_server_pid(up, 1)
+    assert restarted != first[1]
+    chat_through(up, 4)
+    assert success_count(urls[1]) >= 1  # the new server's own counter: it serves again
+    assert up.stop() == 0, up.log()
+    for pgid in (*first, restarted):
+        assert group_pids(pgid) == []
