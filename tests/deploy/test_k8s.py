@@ -100,9 +100,9 @@ def test_the_gateway_lists_every_worker_pod_by_its_stable_name(
 
     gateway = container(one("Deployment", "mineru-gateway"))
     env = {item["name"]: item["value"] for item in gateway["env"]}
-    name, service = workers["metadata"]["name"], headless["metadata"]["name"]
-    expected = [f"http://{name}-{i}.{service}:{port}" for i in range(workers["spec"]["replicas"])]
-    assert env["MINERU_GATEWAY_WORKERS"].split(",") == expected
+    # Every worker pod is found through the headless Service's DNS name.
+    assert env["MINERU_GATEWAY_WORKER_DNS"] == f"http://{headless['metadata']['name']}:{port}"
+    assert "MINERU_GATEWAY_WORKERS" not in env
 
 
 def test_the_gateway_deployment_serves_with_readiness_on_ready() -> None:
