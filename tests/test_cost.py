@@ -88,11 +88,20 @@ def inputs(
     return CostInputs("m", PromptEstimate(tokens, kind, image), max_tokens, ignore_eos)
 
 
-def test_cost_is_prefill_share_plus_expected_decode() -> None:
-    model = CostModel(prefill_weight=0.1, default_decode_tokens=200)
-    assert model.estimate(inputs(tokens=1000)) == pytest.approx(100 + 200)
-    assert model.estimate(inputs(tokens=1000, max_tokens=50)) == pytest.approx(100 + 50)
-    assert model.estimate(inputs(tokens=0, max_tokens=700, ignore_eos=True)) == 700
+def test_cost_is_a_batch_slot_plus_prefill_and_expected_decode() -> None:
+    model = CostModel(prefill_weight=0.001, decode_weight=0.002, default_decode_tokens=200)
+    assert model.estimate(inputs(tokens=1000)) == pytest.approx(1 + 1.0 + 0.4)
+    assert model.estimate(inputs(tokens=1000, max_tokens=50)) == pytest.approx(1 + 1.0 + 0.1)
+    assert model.estimate(inputs(tokens=0, max_tokens=700, ignore_eos=True)) == pytest.approx(2.4)
+
+
+def test_a_layout_page_costs_a_few_block_requests_not_dozens() -> None:
+    model = CostModel()
+    model.learn(inputs(PromptKind.LAYOUT, tokens=1400), 1000)
+    model.learn(inputs(PromptKind.TEXT, tokens=60), 30)
+    layout = model.estimate(inputs(PromptKind.LAYOUT, tokens=1400))
+    block = model.estimate(inputs(PromptKind.TEXT, tokens=60))
+    assert 3 < layout / block < 5
 
 
 def test_expected_decode_is_learnt_per_request_class() -> None:
@@ -116,7 +125,7 @@ def test_learnt_classes_are_bounded() -> None:
 
 
 def test_mean_cost_follows_the_traffic() -> None:
-    model = CostModel(prefill_weight=0, default_decode_tokens=10, smoothing=0.5)
+    model = CostModel(prefill_weight=0, decode_weight=0.01, smoothing=0.5)
     for _ in range(30):
         model.estimate(inputs(max_tokens=1000, ignore_eos=True))
-    assert model.mean_cost == pytest.approx(1000, rel=0.01)
+    assert model.mean_cost == pytest.approx(11, rel=0.01)

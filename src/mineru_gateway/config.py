@@ -69,7 +69,10 @@ class GatewaySettings(BaseSettings):
         0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."
     )
     prefill_weight: float = Field(
-        0.1, ge=0, description="Cost of a prompt token relative to a generated token."
+        0.001, ge=0, description="Routing cost of a prompt token, in running-batch slots."
+    )
+    decode_weight: float = Field(
+        0.002, ge=0, description="Routing cost of an expected answer token, in batch slots."
     )
     default_decode_tokens: float = Field(
         256, gt=0, description="Expected answer length before one is learnt for a request class."

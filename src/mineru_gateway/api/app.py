@@ -63,6 +63,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         eject_after=settings.eject_after,
         cost_model=CostModel(
             prefill_weight=settings.prefill_weight,
+            decode_weight=settings.decode_weight,
             default_decode_tokens=settings.default_decode_tokens,
         ),
         metrics=metrics,
