@@ -273,6 +273,10 @@ def format_row(r: RunResult) -> str:
     )
 
 
+def ratio(value: float, baseline: float) -> float | None:
+    return value / baseline if baseline > 0 else None
+
+
 def median_run(runs: list[RunResult]) -> RunResult:
     """The run with the median throughput of its mode and concurrency."""
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
@@ -292,8 +296,8 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
             {
                 "proxy": proxy,
                 "concurrency": concurrency,
-                "throughput_ratio": via.tokens_per_s / direct.tokens_per_s,
-                "requests_ratio": via.requests_per_s / direct.requests_per_s,
+                "throughput_ratio": ratio(via.tokens_per_s, direct.tokens_per_s),
+                "requests_ratio": ratio(via.requests_per_s, direct.requests_per_s),
                 "added_ttft_p50_ms": via.ttft_p50_ms - direct.ttft_p50_ms,
                 "added_ttft_p99_ms": via.ttft_p99_ms - direct.ttft_p99_ms,
                 "gateway_cpu_us_per_event": via.gateway_cpu_us_per_event,

@@ -66,7 +66,7 @@ def main() -> None:
     print(f"metrics bookkeeping: {cost_us:.2f} us per relayed event")
     if args.overhead:
         summary = json.loads(args.overhead.read_text())["summary"]
-        for row in summary:
+        for row in (r for r in summary if r.get("proxy", "gateway") == "gateway"):
             share = cost_us / row["gateway_cpu_us_per_event"]
             row_out = {"concurrency": row["concurrency"], "share_of_gateway_cpu": share}
             result.setdefault("shares", []).append(row_out)
