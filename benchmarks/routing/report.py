@@ -1,0 +1,323 @@
+"""Summaries of a results document: goodput, fixed-rate tables, issue 3's targets, plots.
+
+Works on the JSON alone, so results can be re-rendered:
+
+    python -m benchmarks.routing.report benchmarks/results/routing.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .stats import Goodput, RunResult, goodput, passes
+
+CANDIDATE = "queue"
+ROUND_ROBIN = "round_robin"
+ORDER = (
+    "queue",
+    "p2c",
+    "least_inflight",
+    "round_robin",
+    "vllm_dp",
+    "vllm_router_p2",
+    "vllm_router_rr",
+)
+
+
+def _runs(document: dict[str, Any]) -> list[RunResult]:
+    return [RunResult(**run) for run in document["runs"]]
+
+
+def _ms(value: float | None) -> str:
+    return "censored" if value is None else f"{value:.0f}"
+
+
+def _e2e(r: RunResult) -> str:
+    if r.wait_for != "done":
+        return "-"
+    return f"{_ms(r.e2e_ms['p50'])} / {_ms(r.e2e_ms['p99'])}"
+
+
+def format_run(r: RunResult, slo_wall_ms: float) -> str:
+    verdict = "ok  " if passes(r, slo_wall_ms) else "MISS"
+    e2e = f" E2E p50/p99 {_e2e(r)} ms" if r.wait_for == "done" else ""
+    return (
+        f"{r.scenario:16s} {r.router:15s} {r.fraction:4.2f}K {r.rate:6.1f} req/s  "
+        f"TTFT p50/p99 {_ms(r.ttft_ms['p50'])}/{_ms(r.ttft_ms['p99'])} ms {verdict}{e2e}  "
+        f"done {r.requests_per_s:5.1f}/s  workers {r.worker_requests}  "
+        f"lag p99 {r.lag_ms['p99']:.1f} ms  cpu {r.cpu.get('machine_util', 0):.0%} "
+        f"(others {r.cpu.get('foreign_cores', 0):.2f} cores)  "
+        f"err {r.errors} cens {r.no_first_token}"
+    )
+
+
+def _ordered(names: Sequence[str]) -> list[str]:
+    return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+
+
+def summarise_document(document: dict[str, Any]) -> dict[str, Any]:
+    plan = document["settings"]["plan"]
+    slo_wall = plan["slo_ms"] * plan["time_scale"]
+    runs = _runs(document)
+    out: dict[str, Any] = {"slo_wall_ms": slo_wall, "goodput": {}, "targets": []}
+    for scenario in _ordered_scenarios(runs):
+        mine = [r for r in runs if r.scenario == scenario]
+        table: dict[str, dict[str, Any]] = {}
+        for router in _ordered({r.router for r in mine}):
+            g = goodput([r for r in mine if r.router == router], slo_wall)
+            table[router] = {
+                "grid_rps": round(g.grid, 3),
+                "rps": round(g.interpolated, 3),
+                "bounded": g.bounded,
+            }
+        out["goodput"][scenario] = table
+    out["targets"] = targets(runs, out["goodput"], plan)
+    lags = [r.lag_ms["p99"] for r in runs]
+    out["loadgen_lag_ms"] = {
+        "worst_run_p99": max(lags, default=0.0),
+        "median_run_p99": sorted(lags)[len(lags) // 2] if lags else 0.0,
+        "worst_max": max((r.lag_ms["max"] for r in runs), default=0.0),
+    }
+    out["machine_cpu_max"] = max((r.cpu.get("machine_util", 0.0) for r in runs), default=0.0)
+    return out
+
+
+def _ordered_scenarios(runs: Sequence[RunResult]) -> list[str]:
+    return sorted({r.scenario for r in runs})
+
+
+def _gp(table: dict[str, dict[str, Any]], router: str) -> Goodput | None:
+    row = table.get(router)
+    return None if row is None else Goodput(row["grid_rps"], row["rps"], row["bounded"])
+
+
+def _p99_at(runs: Sequence[RunResult], scenario: str, router: str, fraction: float) -> float | None:
+    for r in runs:
+        if r.scenario == scenario and r.router == router and abs(r.fraction - fraction) < 1e-9:
+            value = r.ttft_ms["p99"]
+            return math.inf if value is None else value
+    return None
+
+
+def targets(
+    runs: Sequence[RunResult], goodputs: dict[str, dict[str, Any]], plan: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Issue 3's targets for `queue`, each PASS, FAIL or n/a (something needed was not run)."""
+    found: list[dict[str, Any]] = []
+
+    def add(name: str, ok: bool | None, detail: str) -> None:
+        verdict = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+        found.append({"target": name, "result": verdict, "detail": detail})
+
+    for scenario, table in goodputs.items():
+        mine = _gp(table, CANDIDATE)
+        rr = _gp(table, ROUND_ROBIN)
+        if scenario.startswith("a"):
+            others = {k: _gp(table, k) for k in table if k != CANDIDATE}
+            best_name = max(others, key=lambda k: others[k].interpolated, default=None)  # type: ignore[union-attr]
+            if mine is None or best_name is None:
+                add("(a) goodput >= best baseline", None, "queue or baselines not run")
+            else:
+                best = others[best_name]
+                assert best is not None
+                add(
+                    "(a) goodput >= best baseline",
+                    mine.interpolated >= best.interpolated,
+                    f"queue {mine.interpolated:.1f} req/s vs {best_name} {best.interpolated:.1f}",
+                )
+            q85 = _p99_at(runs, scenario, CANDIDATE, 0.85)
+            r85 = _p99_at(runs, scenario, ROUND_ROBIN, 0.85)
+            if q85 is None or r85 is None:
+                add("(a) TTFT p99 at 0.85K <= 1.1x round_robin", None, "not run at 0.85K")
+            else:
+                add(
+                    "(a) TTFT p99 at 0.85K <= 1.1x round_robin",
+                    q85 <= 1.1 * r85,
+                    f"queue {q85:.0f} ms vs round_robin {r85:.0f} ms ({q85 / r85:.2f}x)",
+                )
+        else:
+            key = scenario.split("_", 1)[0]
+            if mine is None or rr is None or rr.interpolated <= 0:
+                add(f"({key}) goodput >= 1.4x round_robin", None, "queue or round_robin not run")
+            else:
+                ratio = mine.interpolated / rr.interpolated
+                add(
+                    f"({key}) goodput >= 1.4x round_robin",
+                    ratio >= 1.4,
+                    f"queue {mine.interpolated:.1f} vs {rr.interpolated:.1f} req/s ({ratio:.2f}x)",
+                )
+            for own in ("least_inflight", "vllm_router_p2"):
+                theirs = _gp(table, own)
+                name = f"({key}) goodput >= 1.2x {own}"
+                if mine is None or theirs is None or theirs.interpolated <= 0:
+                    add(name, None, f"queue or {own} not run")
+                    continue
+                ratio = mine.interpolated / theirs.interpolated
+                add(
+                    name,
+                    ratio >= 1.2,
+                    f"queue {mine.interpolated:.1f} vs {theirs.interpolated:.1f} ({ratio:.2f}x)",
+                )
+        for fraction in plan["fixed"]:
+            name = f"({scenario.split('_', 1)[0]}) TTFT p99 at {fraction:g}K <= 1.2x best"
+            ours = _p99_at(runs, scenario, CANDIDATE, fraction)
+            values = {
+                r.router: (math.inf if r.ttft_ms["p99"] is None else r.ttft_ms["p99"])
+                for r in runs
+                if r.scenario == scenario and abs(r.fraction - fraction) < 1e-9
+            }
+            if ours is None or not values:
+                add(name, None, "queue not run")
+                continue
+            best_router = min(values, key=lambda k: values[k])
+            best = values[best_router]
+            ok = ours <= 1.2 * best if math.isfinite(best) else True
+            add(name, ok, f"queue {ours:.0f} ms, best {best_router} {best:.0f} ms")
+    return found
+
+
+def markdown(document: dict[str, Any]) -> str:
+    summary = document["summary"]
+    settings = document["settings"]
+    plan = settings["plan"]
+    runs = _runs(document)
+    scale = plan["time_scale"]
+    lines = [
+        "## Routing benchmark: simulated workers",
+        "",
+        f"- Command: `{document['command']}` (commit {document['git_commit']}, "
+        f"{document['when']}, {document['wall_time_s'] / 60:.0f} min on "
+        f"{document['machine']['cpus']} CPUs)",
+        f"- One worker's capacity on the mix: {settings['worker_capacity_rps']:.1f} requests/s; "
+        f"time scale {scale:g}; SLO: TTFT p99 <= {plan['slo_ms']:.0f} ms "
+        f"({summary['slo_wall_ms']:.0f} ms wall)",
+        f"- Mix per page: {settings['mix_per_page']['requests_per_page']:.1f} requests, "
+        f"{settings['mix_per_page']['output_tokens_per_page']:.0f} output tokens, "
+        f"{settings['mix_per_page']['visual_tokens_per_page']:.0f} visual tokens",
+        f"- Per run: {plan['warmup_s']:g} s warm-up, {plan['window_s']:g} s measured, "
+        f"then a tail at the same rate until the measured p99 is settled (engine seconds)",
+        "",
+        "### Goodput: requests/s with TTFT p99 within the SLO (x round_robin)",
+        "",
+    ]
+    scenarios = list(summary["goodput"])
+    lines.append("| router | " + " | ".join(scenarios) + " |")
+    lines.append("|---|" + "---|" * len(scenarios))
+    routers = _ordered({r for table in summary["goodput"].values() for r in table})
+    for router in routers:
+        cells = []
+        for scenario in scenarios:
+            table = summary["goodput"][scenario]
+            row = table.get(router)
+            if row is None:
+                cells.append("-")
+                continue
+            rr = table.get(ROUND_ROBIN)
+            ratio = f" ({row['rps'] / rr['rps']:.2f}x)" if rr and rr["rps"] > 0 else ""
+            bound = "" if row["bounded"] else ">= "
+            cells.append(f"{bound}{row['rps']:.1f}{ratio}")
+        lines.append(f"| {router} | " + " | ".join(cells) + " |")
+    lines += ["", "### At fixed rates (K = the scenario's capacity)", ""]
+    for scenario in scenarios:
+        lines += [
+            f"**{scenario}**",
+            "",
+            "| router | rate | TTFT p50 / p99 ms | E2E p50 / p99 ms | done req/s | tokens/s "
+            "| requests per worker |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for fraction in plan["fixed"]:
+            for router in routers:
+                for r in runs:
+                    if (
+                        r.scenario == scenario
+                        and r.router == router
+                        and abs(r.fraction - fraction) < 1e-9
+                    ):
+                        lines.append(
+                            f"| {router} | {fraction:g}K = {r.rate:.1f}/s "
+                            f"| {_ms(r.ttft_ms['p50'])} / {_ms(r.ttft_ms['p99'])} "
+                            f"| {_e2e(r)} "
+                            f"| {r.requests_per_s:.1f} | {r.tokens_per_s:.0f} "
+                            f"| {r.worker_requests} |"
+                        )
+        lines.append("")
+    lines += ["### Targets (issue 3)", ""]
+    for target in summary["targets"]:
+        lines.append(f"- {target['result']}: {target['target']} ({target['detail']})")
+    lag = summary["loadgen_lag_ms"]
+    lines += [
+        "",
+        f"Load generator lag (actual minus scheduled send): p99 per run {lag['median_run_p99']:.1f}"
+        f" ms median, {lag['worst_run_p99']:.1f} ms worst; worst single send "
+        f"{lag['worst_max']:.1f} ms. Busiest run used {summary['machine_cpu_max']:.0%} of the "
+        "machine's CPU.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plots(document: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = document["summary"]
+    slo = summary["slo_wall_ms"]
+    runs = _runs(document)
+    written = []
+    titles = {s["name"]: s["title"] for s in document["settings"]["scenarios"].values()}
+    capacity = (
+        document["settings"]["worker_capacity_rps"] / document["settings"]["plan"]["time_scale"]
+    )
+    for scenario in _ordered_scenarios(runs):
+        mine = [r for r in runs if r.scenario == scenario]
+        figure, axis = plt.subplots(figsize=(7.5, 4.8))
+        ceiling = 30 * slo
+        for router in _ordered({r.router for r in mine}):
+            points = sorted((r for r in mine if r.router == router), key=lambda r: r.rate)
+            xs = [r.rate for r in points]
+            ys = [min(ceiling, r.ttft_ms["p99"] or ceiling) for r in points]
+            style = "-" if router == CANDIDATE else "--"
+            line = axis.plot(xs, ys, style, marker="o", label=router, linewidth=1.6)[0]
+            censored = [(x, y) for x, y, r in zip(xs, ys, points, strict=True) if y >= ceiling]
+            if censored:
+                axis.plot(*zip(*censored, strict=True), "x", color=line.get_color(), ms=9)
+        axis.axhline(slo, color="black", linewidth=1, linestyle=":", label=f"SLO {slo:.0f} ms")
+        axis.set_yscale("log")
+        axis.set_xlabel("offered rate through the router (requests/s)")
+        axis.set_ylabel("TTFT p99 (ms, wall)")
+        scenario_capacity = mine[0].rate / mine[0].fraction if mine[0].fraction else 0
+        axis.set_title(
+            f"{titles.get(scenario, scenario)}\nK = {scenario_capacity:.1f} req/s, "
+            f"one worker {capacity:.1f} req/s; x = no first token before the run ended"
+        )
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        path = out_dir / f"{stem}_{scenario.split('_', 1)[0]}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    path = Path(args[0])
+    document = json.loads(path.read_text())
+    document["summary"] = summarise_document(document)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(document))
+    plots(document, path.parent, path.stem)
+    print(markdown(document))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The routing check on real vLLM (CPU build, tiny random-weight model), small scale.
+
+Two real vLLM OpenAI servers, each pinned to its own core (`omp_bind_env`), the gateway in front
+with `round_robin` or `queue`, text-only requests (this vLLM build serves no images) whose lengths
+are pinned with `min_tokens = max_tokens` and `ignore_eos`. Two cases per policy:
+- plain: only the gateway's traffic; `queue` must not be worse than `round_robin`;
+- direct: the same, plus traffic sent straight to worker 0 (bypassing the gateway); `queue` must
+  send worker 0 a smaller share of the gateway's requests than `round_robin` does, as counted by
+  each worker's own `vllm:request_success_total`.
+On 2 cores the engines, API servers, gateway and load generator share the CPU: this is a check of
+behaviour on the real engine and its real `/metrics`, not a performance figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+import aiohttp
+
+from . import fleet, loadgen, workload
+from .stats import percentile, summarise
+
+POLICIES = ("round_robin", "queue")
+
+
+def _load_vllm_support() -> Any:
+    from tests.support import vllm_server
+
+    return vllm_server
+
+
+async def success_counts(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[float]:
+    counts = await asyncio.gather(*(fleet.metrics_counts(session, url) for url in urls))
+    return [c["vllm:request_success_total"] for c in counts]
+
+
+async def wait_idle(
+    session: aiohttp.ClientSession, urls: Sequence[str], limit_s: float = 120
+) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        counts = await asyncio.gather(*(fleet.metrics_counts(session, url) for url in urls))
+        busy = sum(c["vllm:num_requests_running"] + c["vllm:num_requests_waiting"] for c in counts)
+        if busy == 0:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError("vLLM workers not idle")
+
+
+async def calibrate(
+    session: aiohttp.ClientSession, urls: Sequence[str], mix: workload.Mix, seed: int
+) -> float:
+    """Requests/s both workers complete together when flooded (round-robin, directly)."""
+    phases = loadgen.Phases(warmup_s=5, window_s=10, tail_cap_s=0)
+
+    async def flood(url: str, index: int) -> loadgen.RunOutcome:
+        arrivals = workload.arrivals(mix, seed + 50 + index, 60.0, phases.total + 1)
+        return await loadgen.run_open_loop(session, url, arrivals, phases, measure=False)
+
+    outcomes = await asyncio.gather(*(flood(url, i) for i, url in enumerate(urls)))
+    await wait_idle(session, urls)
+    return sum(o.window_done for o in outcomes) / phases.window_s
+
+
+async def one_case(
+    session: aiohttp.ClientSession,
+    gateway: str,
+    urls: Sequence[str],
+    mix: workload.Mix,
+    rate: float,
+    direct_rate: float,
+    phases: loadgen.Phases,
+    seed: int,
+) -> dict[str, Any]:
+    before = await success_counts(session, urls)
+    stop = asyncio.Event()
+    background = None
+    if direct_rate > 0:
+        bg = workload.arrivals(mix, seed + 500, direct_rate, phases.total + 60)
+        background = asyncio.create_task(loadgen.background_load(session, urls[0], bg, stop))
+    arrivals = workload.arrivals(mix, seed, rate, phases.total + 1)
+    outcome = await loadgen.run_open_loop(session, gateway, arrivals, phases)
+    stop.set()
+    bg_records = await background if background is not None else []
+    await wait_idle(session, urls)
+    after = await success_counts(session, urls)
+    result = summarise(
+        outcome,
+        scenario="direct" if direct_rate else "plain",
+        router="",
+        fraction=0.0,
+        rate=rate,
+        window_s=phases.window_s,
+        wait_for=phases.wait_for,
+    )
+    completed = [a - b for a, b in zip(after, before, strict=True)]
+    direct_done = sum(r.done is not None and r.error is None for r in bg_records)
+    routed = list(completed)
+    routed[0] -= direct_done
+    lags = outcome.lags or [0.0]
+    return {
+        "rate": rate,
+        "direct_rate": direct_rate,
+        "ttft_ms": result.ttft_ms,
+        "e2e_ms": result.e2e_ms,
+        "requests_per_s": result.requests_per_s,
+        "measured": result.measured,
+        "errors": result.errors,
+        "success_delta_per_worker": completed,
+        "direct_completed": direct_done,
+        "gateway_requests_per_worker": routed,
+        "worker0_share_of_gateway": routed[0] / max(1.0, sum(routed)),
+        "lag_ms_p99": round(percentile(lags, 99) * 1000, 2),
+    }
+
+
+async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
+    support = _load_vllm_support()
+    python, model = support.vllm_paths_from_env()
+    procs = fleet.Processes(fleet.temp_log_dir())
+    servers = [
+        support.start_vllm_server(python, model, env=support.omp_bind_env(i, 2)) for i in range(2)
+    ]
+    document: dict[str, Any] = {"cases": []}
+    try:
+        for server in servers:
+            await asyncio.to_thread(server.wait_ready, 240.0)
+        urls = [server.url for server in servers]
+        async with loadgen.new_session() as session:
+            capacity = await calibrate(session, urls, mix, args.seed)
+            print(f"calibration: the two vLLM workers complete {capacity:.1f} requests/s flooded")
+            document["capacity_rps"] = capacity
+            rate = args.vllm_load * capacity
+            direct = args.vllm_direct * capacity / 2
+            phases = loadgen.Phases(
+                warmup_s=args.vllm_warmup,
+                window_s=args.vllm_window,
+                tail_cap_s=20.0,
+                wait_for="done",
+            )
+            for case_direct in (0.0, direct):
+                for policy in POLICIES:
+                    spec = fleet.ROUTERS[policy]
+                    router = fleet.RunningRouter(
+                        spec, procs, urls, fleet.RouterSettings(tuple(args.gateway_arg))
+                    )
+                    try:
+                        await router.ready()
+                        case = await one_case(
+                            session, router.url, urls, mix, rate, case_direct, phases, args.seed
+                        )
+                    finally:
+                        router.stop()
+                    case["policy"] = policy
+                    document["cases"].append(case)
+                    print(_format(case), flush=True)
+    finally:
+        procs.stop_all()
+        for server in servers:
+            server.stop()
+    return document
+
+
+def _format(case: dict[str, Any]) -> str:
+    return (
+        f"{'direct' if case['direct_rate'] else 'plain':6s} {case['policy']:11s} "
+        f"{case['rate']:.1f} req/s (+{case['direct_rate']:.1f} direct)  TTFT p50/p99 "
+        f"{case['ttft_ms']['p50']}/{case['ttft_ms']['p99']} ms  E2E p50/p99 "
+        f"{case['e2e_ms']['p50']}/{case['e2e_ms']['p99']} ms  done {case['requests_per_s']:.1f}/s"
+        f"  gateway requests per worker {case['gateway_requests_per_worker']}"
+        f" (worker 0: {case['worker0_share_of_gateway']:.0%})  errors {case['errors']}"
+    )
+
+
+def checks(document: dict[str, Any], tolerance: float) -> list[dict[str, str]]:
+    def case(direct: bool, policy: str) -> dict[str, Any] | None:
+        for c in document["cases"]:
+            if bool(c["direct_rate"]) == direct and c["policy"] == policy:
+                return dict(c)
+        return None
+
+    out = []
+    for direct in (False, True):
+        queue, rr = case(direct, "queue"), case(direct, "round_robin")
+        label = "with direct traffic" if direct else "plain"
+        if queue is None or rr is None:
+            out.append({"check": label, "result": "n/a", "detail": "not run"})
+            continue
+        q99, r99 = queue["ttft_ms"]["p99"], rr["ttft_ms"]["p99"]
+        ok = (
+            q99 is not None
+            and (r99 is None or q99 <= (1 + tolerance) * r99)
+            and queue["requests_per_s"] >= (1 - tolerance) * rr["requests_per_s"]
+            and queue["errors"] == 0
+        )
+        out.append(
+            {
+                "check": f"{label}: queue not worse than round_robin (TTFT p99 and throughput, "
+                f"{tolerance:.0%} tolerance)",
+                "result": "PASS" if ok else "FAIL",
+                "detail": f"TTFT p99 {q99} vs {r99} ms, {queue['requests_per_s']:.1f} vs "
+                f"{rr['requests_per_s']:.1f} req/s",
+            }
+        )
+        if direct:
+            qs, rs = queue["worker0_share_of_gateway"], rr["worker0_share_of_gateway"]
+            out.append(
+                {
+                    "check": "with direct traffic: queue sends worker 0 a smaller share than "
+                    "round_robin",
+                    "result": "PASS" if qs < rs - 0.05 else "FAIL",
+                    "detail": f"worker 0 got {qs:.0%} of queue's requests, {rs:.0%} of "
+                    "round_robin's (from vllm:request_success_total)",
+                }
+            )
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from .suite import git_commit
+
+    mix = replace(
+        workload.Mix(images=False, force_lengths="vllm", length_scale=args.vllm_length_scale),
+        model="tiny",
+    )
+    started = time.time()
+    import uvloop
+
+    document = uvloop.run(run(args, mix))
+    document |= {
+        "command": "python -m benchmarks.routing " + " ".join(args.argv),
+        "git_commit": git_commit(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_time_s": round(time.time() - started, 1),
+        "settings": {
+            "mix": asdict(mix),
+            "mix_per_page": workload.describe(mix),
+            "load_fraction": args.vllm_load,
+            "direct_fraction_of_one_worker": args.vllm_direct,
+            "warmup_s": args.vllm_warmup,
+            "window_s": args.vllm_window,
+            "gateway_args": args.gateway_arg,
+            "tolerance": args.vllm_tolerance,
+        },
+    }
+    document["checks"] = checks(document, args.vllm_tolerance)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=1) + "\n")
+    for check in document["checks"]:
+        print(f"{check['result']}: {check['check']} ({check['detail']})")
+    print(f"wall time {document['wall_time_s'] / 60:.1f} min; results in {args.out}")
+    return 0
