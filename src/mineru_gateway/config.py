@@ -68,6 +68,11 @@ class GatewaySettings(BaseSettings):
     kv_avoid_above: float = Field(
         0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."
     )
+    pace_weighting: bool = Field(
+        True,
+        description="Scale each worker's load by its reported inter-token latency against its "
+        "peers' (a slower NPU gets less).",
+    )
     prefill_weight: float = Field(
         0.001, ge=0, description="Routing cost of a prompt token, in running-batch slots."
     )

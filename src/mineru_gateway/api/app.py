@@ -60,6 +60,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         health_interval_s=settings.health_interval_s,
         health_timeout_s=settings.health_timeout_s,
         load_interval_s=settings.load_interval_s,
+        pace_weighting=settings.pace_weighting,
         eject_after=settings.eject_after,
         cost_model=CostModel(
             prefill_weight=settings.prefill_weight,

@@ -99,6 +99,7 @@ class WorkerRegistry:
         health_interval_s: float,
         health_timeout_s: float,
         load_interval_s: float = 0.2,
+        pace_weighting: bool = True,
         eject_after: int = 3,
         cost_model: CostModel | None = None,
         metrics: GatewayMetrics | None = None,
@@ -112,6 +113,7 @@ class WorkerRegistry:
         self._interval = health_interval_s
         self._timeout = health_timeout_s
         self._load_interval = load_interval_s
+        self._pace_weighting = pace_weighting
         self._eject_after = eject_after
         self._rng = rng or random.Random()
         self._tasks: list[asyncio.Task[None]] = []
@@ -151,7 +153,7 @@ class WorkerRegistry:
     def _slowness(self) -> dict[str, float]:
         """Each worker's reported inter-token latency against the median of its healthy peers."""
         paces = {w.url: w.itl_s for w in self._workers.values() if w.healthy and w.itl_s}
-        if len(paces) < 2:
+        if len(paces) < 2 or not self._pace_weighting:
             return {}
         median = statistics.median(paces.values())
         low, high = SLOWNESS_BOUNDS
