@@ -50,7 +50,7 @@ test: lint typecheck system-deps vllm
 test-fast: install
 	$(BIN)/pytest -m "not vllm" $(PYTEST_ARGS)
 
-## What the gateway costs against calling workers directly (about 8 minutes), and what recording
+## What the gateway costs against calling workers directly (about 12 minutes), and what recording
 ## metrics costs per relayed event. Results land in benchmarks/results/.
 bench: install
 	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
