@@ -64,8 +64,8 @@ vllm-router:
 		$(VLLM_ROUTER_VENV)/bin/pip install --quiet vllm-router==0.1.17; }
 
 ## Queue-length routing against round-robin, least-in-flight, vLLM's DP balancer and vllm-router,
-## on 4 simulated workers in three scenarios (about 50 minutes). Results: benchmarks/results/.
-ROUTING_ARGS ?= --fractions 0.65,0.85,1.0,1.15 --fixed 0.85,1.0 --e2e 0.85 --warmup 6 --window 8
+## on 4 simulated workers in three scenarios (about 60 minutes). Results: benchmarks/results/.
+ROUTING_ARGS ?= --fractions 0.85,1.0 --e2e 0.85 --extra 1
 bench-routing: install vllm-router
 	$(BIN)/python -m benchmarks.routing $(ROUTING_ARGS) --out benchmarks/results/routing.json
 

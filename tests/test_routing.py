@@ -93,9 +93,7 @@ def loaded(
     slowness: float = 1.0,
     healthy: bool = True,
 ) -> WorkerView:
-    return WorkerView(
-        name, healthy, 0, M, own_cost=own_cost, reported=reported, unit_cost=10.0, slowness=slowness
-    )
+    return WorkerView(name, healthy, 0, M, own_cost=own_cost, reported=reported, slowness=slowness)
 
 
 def fresh(waiting: float = 0, running: float = 0, kv: float = 0.0, own: int = 0) -> ReportedLoad:
@@ -110,11 +108,14 @@ def stale(waiting: float = 0, running: float = 0, kv: float = 0.0) -> ReportedLo
     ("views", "expected"),
     [
         # the gateway's own estimated cost decides when workers report nothing
-        ([loaded("a", 300), loaded("b", 40)], "b"),
-        # load the gateway did not send (4 requests x unit cost 10) outweighs its own 30
-        ([loaded("a", 0, fresh(running=4)), loaded("b", 30, fresh(running=1, own=1))], "b"),
+        ([loaded("a", 30), loaded("b", 4)], "b"),
+        # load the gateway did not send (40 requests, a slot each) outweighs its own 30
+        ([loaded("a", 0, fresh(running=40)), loaded("b", 30, fresh(running=10, own=10))], "b"),
         # the worker's count includes this gateway's requests: they are not counted twice
-        ([loaded("a", 50, fresh(running=5, own=5)), loaded("b", 20, fresh(running=9))], "a"),
+        ([loaded("a", 5, fresh(running=5, own=5)), loaded("b", 2, fresh(running=9))], "a"),
+        # requests waiting at a worker (a full batch) weigh more than running ones: 5 + 3x5
+        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 18, fresh(running=18, own=18))], "b"),
+        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 22, fresh(running=22, own=22))], "a"),
         # stale figures are ignored: own cost alone decides
         ([loaded("a", 10, stale(waiting=50)), loaded("b", 20)], "a"),
         # a slow worker's load weighs more

@@ -30,7 +30,7 @@ class RunResult:
     scenario: str
     router: str
     fraction: float  # of the scenario's capacity
-    rate: float  # requests/s offered through the router
+    rate: float  # requests/s offered through the router (engine time, as all figures here)
     wait_for: str
     measured: int
     completed: int
@@ -77,7 +77,11 @@ def summarise(
     rate: float,
     window_s: float,
     wait_for: str,
+    time_scale: float = 1.0,
 ) -> RunResult:
+    """Figures of one run in engine time: wall durations / `time_scale`, rates x `time_scale`
+    (a simulator at time scale 2 runs twice as slowly as the NPU it stands for). The load
+    generator's lag stays in wall milliseconds: it is a property of this machine."""
     measured = [r for r in outcome.records if r.measured]
     ttfts = ttft_values(measured)
     kinds: dict[str, list[float]] = {}
@@ -88,13 +92,13 @@ def summarise(
 
     def ms(values: list[float], q: float) -> float | None:
         value = finite_or_none(percentile(values, q))
-        return None if value is None else round(value * 1000, 2)
+        return None if value is None else round(value * 1000 / time_scale, 2)
 
     return RunResult(
         scenario=scenario,
         router=router,
         fraction=fraction,
-        rate=rate,
+        rate=rate * time_scale,
         wait_for=wait_for,
         measured=len(measured),
         completed=sum(r.done is not None and r.error is None for r in measured),
@@ -104,8 +108,8 @@ def summarise(
         ttft_ms={"p50": ms(ttfts, 50), "p90": ms(ttfts, 90), "p99": ms(ttfts, 99)},
         ttft_p99_by_kind_ms={kind: ms(values, 99) for kind, values in sorted(kinds.items())},
         e2e_ms={"p50": ms(e2e, 50), "p99": ms(e2e, 99)} if e2e else {"p50": None, "p99": None},
-        requests_per_s=outcome.window_done / window_s,
-        tokens_per_s=outcome.window_tokens / window_s,
+        requests_per_s=outcome.window_done / window_s * time_scale,
+        tokens_per_s=outcome.window_tokens / window_s * time_scale,
         lag_ms={
             "p50": round(percentile(lags, 50) * 1000, 3),
             "p99": round(percentile(lags, 99) * 1000, 3),

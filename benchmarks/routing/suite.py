@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import io
 import json
+import math
 import os
 import platform
 import resource
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import time
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -85,23 +86,25 @@ def scenarios(slow_speed: float, direct_share: float) -> dict[str, Scenario]:
 
 @dataclass(frozen=True)
 class Plan:
+    """How each (scenario, router) pair is swept. Times and rates are engine-time figures (the
+    simulator at time scale s runs s times slower than the NPU it stands for)."""
+
     time_scale: float
-    warmup_s: float  # engine seconds (wall = x time_scale)
+    warmup_s: float
     window_s: float
     ttft_tail_cap_s: float
     e2e_tail_cap_s: float
-    fractions: tuple[float, ...]
-    fixed: tuple[float, ...]  # fractions reported in the tables
+    grid: tuple[float, ...]  # fractions of capacity always run
+    fixed: tuple[float, ...]  # fractions tabulated (and checked against the targets)
     e2e: tuple[float, ...]  # fractions where E2E is measured too (longer tails)
-    slo_ms: float  # TTFT p99, engine milliseconds
+    extra: int  # adaptive runs that narrow the SLO crossing (`next_fraction`)
+    resolution: float  # no adaptive run once the crossing is bracketed this tightly
+    max_fraction: float
+    slo_ms: float  # TTFT p99
     seed: int
 
     def wall(self, seconds: float) -> float:
         return seconds * self.time_scale
-
-    @property
-    def slo_wall_ms(self) -> float:
-        return self.slo_ms * self.time_scale
 
     def phases(self, fraction: float) -> loadgen.Phases:
         e2e = any(abs(fraction - f) < 1e-9 for f in self.e2e)
@@ -111,6 +114,25 @@ class Plan:
             tail_cap_s=self.wall(self.e2e_tail_cap_s if e2e else self.ttft_tail_cap_s),
             wait_for="done" if e2e else "first_token",
         )
+
+    def next_fraction(self, verdicts: dict[float, bool]) -> float | None:
+        """The next rate to try, from what passed and failed so far: above the highest pass if
+        nothing above it failed, else halfway into the bracket around the SLO crossing (on a
+        0.05 grid); None when the bracket is tight enough or the range is exhausted."""
+        low = max((f for f, ok in verdicts.items() if ok), default=None)
+        high = min(
+            (f for f, ok in verdicts.items() if not ok and (low is None or f > low)), default=None
+        )
+        if high is None:
+            assert low is not None
+            step_up = round(low + 0.1, 2)
+            return step_up if step_up <= self.max_fraction + 1e-9 else None
+        if low is None:
+            return round(round(max(0.05, 0.6 * high) / 0.05) * 0.05, 2) if high > 0.1 else None
+        if high - low <= self.resolution + 1e-9:
+            return None
+        middle = low + max(0.05, math.floor((high - low) / 2 / 0.05 + 1e-9) * 0.05)
+        return round(middle, 2) if middle < high - 1e-9 else None
 
 
 def gateway_policies() -> list[str]:
@@ -131,7 +153,7 @@ def gateway_defaults() -> dict[str, Any]:
     """The gateway's routing-related settings as this tree defines them (recorded with results)."""
     from mineru_gateway.config import GatewaySettings
 
-    wanted = ("load", "stale", "routing", "health", "retries", "cost", "kv")
+    wanted = ("load", "stale", "routing", "health", "retries", "cost", "kv", "pace")
     return {
         name: field.default
         for name, field in GatewaySettings.model_fields.items()
@@ -164,24 +186,25 @@ class Bench:
             vllm_router_bin=fleet.find_vllm_router(),
         )
         self.results: list[RunResult] = []
-        self.worker_capacity = 0.0
+        self.worker_capacity = args.worker_capacity
+        self.on_result: Callable[[], None] = lambda: None
 
     # -- calibration ---------------------------------------------------------------------
     async def calibrate(self, session: aiohttp.ClientSession) -> float:
-        """One worker's saturated throughput on the mix, requests/s at time scale 1."""
+        """One worker's saturated throughput on the mix, requests/s (engine time)."""
         workers = fleet.SimWorkers(self.procs, self.plan.time_scale, [1.0])
         workers.start()
         try:
             rate = 1.4 * DEFAULT_WORKER_CAPACITY / self.plan.time_scale
-            phases = loadgen.Phases(self.plan.wall(20), self.plan.wall(20), 0.0)
+            phases = loadgen.Phases(self.plan.wall(30), self.plan.wall(30), 0.0)
             arrivals = workload.arrivals(self.mix, self.plan.seed + 99, rate, phases.total + 1)
             outcome = await loadgen.run_open_loop(session, workers.urls[0], arrivals, phases)
-            capacity = outcome.window_done / phases.window_s
+            capacity = outcome.window_done / phases.window_s * self.plan.time_scale
             await fleet.wait_idle(session, workers.urls)
         finally:
             workers.stop()
         print(f"calibration: one worker completes {capacity:.2f} requests/s at saturation")
-        return capacity * self.plan.time_scale
+        return capacity
 
     # -- one run -------------------------------------------------------------------------
     async def run_one(
@@ -190,23 +213,21 @@ class Bench:
         scenario: Scenario,
         router: fleet.RunningRouter,
         workers: fleet.SimWorkers,
-        index: int,
         fraction: float,
     ) -> RunResult:
         plan = self.plan
-        per_worker = self.worker_capacity / plan.time_scale
+        per_worker = self.worker_capacity / plan.time_scale  # wall requests/s
         rate = fraction * scenario.capacity_workers() * per_worker
         phases = plan.phases(fraction)
-        arrivals = workload.arrivals(self.mix, plan.seed * 1000 + index, rate, phases.total + 1)
+        seed = plan.seed * 10_000 + round(fraction * 1000)  # same requests for every router
+        arrivals = workload.arrivals(self.mix, seed, rate, phases.total + 1)
         before = await fleet.sim_states(session, workers.urls)
         cpu_before = self._cpu(router, workers)
         stop = asyncio.Event()
         background: asyncio.Task[list[loadgen.Record]] | None = None
         if scenario.direct_share > 0:
             bg_rate = scenario.direct_share * per_worker
-            bg_arrivals = workload.arrivals(
-                self.mix, plan.seed * 1000 + 500 + index, bg_rate, phases.total + 60
-            )
+            bg_arrivals = workload.arrivals(self.mix, seed + 5000, bg_rate, phases.total + 60)
             background = asyncio.create_task(
                 loadgen.background_load(session, workers.urls[0], bg_arrivals, stop)
             )
@@ -226,6 +247,7 @@ class Bench:
             rate=rate,
             window_s=phases.window_s,
             wait_for=phases.wait_for,
+            time_scale=plan.time_scale,
         )
         routed = [a["arrived"] - b["arrived"] for a, b in zip(after, before, strict=True)]
         routed[0] -= len(bg_records)
@@ -267,15 +289,15 @@ class Bench:
         scenario: Scenario,
         router: fleet.RunningRouter,
         workers: fleet.SimWorkers,
-        index: int,
         fraction: float,
     ) -> RunResult:
         """`run_one`, repeated (at most `RETRIES` times) when other processes took more than
-        `FOREIGN_CPU_LIMIT` cores during it; the least disturbed attempt is kept."""
+        `FOREIGN_CPU_LIMIT` cores or the machine was nearly saturated; the least disturbed
+        attempt is kept."""
         attempts: list[RunResult] = []
         for _ in range(1 + RETRIES):
             quiet = await self.wait_quiet(router, workers)
-            result = await self.run_one(session, scenario, router, workers, index, fraction)
+            result = await self.run_one(session, scenario, router, workers, fraction)
             result.extra["foreign_cores_before"] = round(quiet, 3)
             attempts.append(result)
             if not _disturbed(result):
@@ -293,40 +315,61 @@ class Bench:
         async with loadgen.new_session() as session:
             if self.args.calibrate:
                 self.worker_capacity = await self.calibrate(session)
-            else:
-                self.worker_capacity = self.args.worker_capacity
             for scenario in chosen:
                 await self.run_scenario(session, scenario, routers)
 
     async def run_scenario(
         self, session: aiohttp.ClientSession, scenario: Scenario, routers: Sequence[str]
     ) -> None:
-        workers = fleet.SimWorkers(self.procs, self.plan.time_scale, scenario.speeds)
-        workers.start()
+        workers: fleet.SimWorkers | None = None
         try:
             for name in routers:
-                spec = fleet.ROUTERS[name]
-                router = fleet.RunningRouter(spec, self.procs, workers.urls, self.router_settings)
-                try:
-                    await router.ready()
-                    misses = 0
-                    for index, fraction in enumerate(self.plan.fractions):
-                        if misses >= 2 and fraction not in self.plan.fixed:
-                            print(
-                                f"{scenario.name:16s} {name:15s} {fraction:4.2f}K skipped "
-                                "(two higher-rate misses already)"
-                            )
-                            continue
-                        result = await self.run_guarded(
-                            session, scenario, router, workers, index, fraction
-                        )
-                        self.results.append(result)
-                        misses = 0 if passes(result, self.plan.slo_wall_ms) else misses + 1
-                        print(report.format_run(result, self.plan.slo_wall_ms), flush=True)
-                finally:
-                    router.stop()
+                done = {
+                    r.fraction: r
+                    for r in self.results
+                    if r.scenario == scenario.name and r.router == name
+                }
+                if self._next(done) is None:
+                    continue  # resumed: nothing left to run for this pair
+                if workers is None:
+                    workers = fleet.SimWorkers(self.procs, self.plan.time_scale, scenario.speeds)
+                    workers.start()
+                await self.sweep(session, scenario, name, workers, done)
         finally:
-            workers.stop()
+            if workers is not None:
+                workers.stop()
+
+    def _next(self, done: dict[float, RunResult]) -> float | None:
+        for fraction in self.plan.grid:
+            if fraction not in done:
+                return fraction
+        adaptive = [f for f in done if f not in self.plan.grid]
+        if len(adaptive) >= self.plan.extra:
+            return None
+        verdicts = {f: passes(r, self.plan.slo_ms) for f, r in done.items()}
+        fraction = self.plan.next_fraction(verdicts)
+        return None if fraction is None or fraction in done else fraction
+
+    async def sweep(
+        self,
+        session: aiohttp.ClientSession,
+        scenario: Scenario,
+        name: str,
+        workers: fleet.SimWorkers,
+        done: dict[float, RunResult],
+    ) -> None:
+        spec = fleet.ROUTERS[name]
+        router = fleet.RunningRouter(spec, self.procs, workers.urls, self.router_settings)
+        try:
+            await router.ready()
+            while (fraction := self._next(done)) is not None:
+                result = await self.run_guarded(session, scenario, router, workers, fraction)
+                done[fraction] = result
+                self.results.append(result)
+                self.on_result()
+                print(report.format_run(result, self.plan.slo_ms), flush=True)
+        finally:
+            router.stop()
 
 
 # This machine is shared (2 cores): a run during which other processes took more than this many
@@ -377,24 +420,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a ~5 minute smoke run")
     parser.add_argument("--routers", type=names, help=f"from {', '.join(ALL_ROUTERS)}")
     parser.add_argument("--scenarios", type=names, default=["a", "b", "c"])
-    parser.add_argument("--fractions", type=floats, help="offered rates, fractions of capacity")
-    parser.add_argument("--fixed", type=floats, help="fractions reported in the tables")
+    parser.add_argument("--fractions", type=floats, help="fractions of capacity always run")
+    parser.add_argument("--fixed", type=floats, help="fractions tabulated (default: --fractions)")
     parser.add_argument("--e2e", type=floats, help="fractions where E2E is measured too")
-    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--extra", type=int, help="adaptive runs per (scenario, router)")
+    parser.add_argument("--resolution", type=float, default=0.1)
+    parser.add_argument("--max-fraction", type=float, default=1.3)
+    parser.add_argument("--time-scale", type=float, help="simulator time scale")
     parser.add_argument("--slo-ms", type=float, default=500.0, help="TTFT p99 SLO (engine ms)")
     parser.add_argument("--warmup", type=float, help="engine seconds before the window")
     parser.add_argument("--window", type=float, help="measured engine seconds")
-    parser.add_argument("--ttft-tail-cap", type=float, help="engine seconds")
-    parser.add_argument("--e2e-tail-cap", type=float, help="engine seconds")
+    parser.add_argument("--ttft-tail-cap", type=float, default=5.0, help="engine seconds")
+    parser.add_argument("--e2e-tail-cap", type=float, default=35.0, help="engine seconds")
     parser.add_argument(
         "--worker-capacity",
         type=float,
         default=DEFAULT_WORKER_CAPACITY,
-        help="one worker's capacity on the mix, requests/s at time scale 1: the unit of offered "
+        help="one worker's capacity on the mix, requests/s (engine time): the unit of offered "
         "rates (K = capacity x effective workers)",
     )
     parser.add_argument(
-        "--calibrate", action="store_true", help="measure the capacity instead (40 s, noisy)"
+        "--calibrate", action="store_true", help="measure the capacity instead (60 s, noisy)"
     )
     parser.add_argument("--direct-share", type=float, default=0.45)
     parser.add_argument("--slow-speed", type=float, default=0.5)
@@ -404,32 +450,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the runs of an interrupted suite (.partial)"
+    )
     parser.add_argument("--no-plots", action="store_true")
     real = parser.add_argument_group("--engine vllm (real vLLM on CPU, 2 workers)")
-    real.add_argument("--vllm-load", type=float, default=0.6, help="fraction of capacity")
+    real.add_argument("--vllm-load", type=float, default=0.45, help="fraction of capacity")
     real.add_argument(
         "--vllm-direct", type=float, default=0.5, help="direct traffic, fraction of one worker"
     )
     real.add_argument("--vllm-warmup", type=float, default=8.0)
     real.add_argument("--vllm-window", type=float, default=25.0)
-    real.add_argument("--vllm-length-scale", type=float, default=0.1)
+    real.add_argument("--vllm-length-scale", type=float, default=0.3)
     real.add_argument("--vllm-tolerance", type=float, default=0.1)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     quick = args.quick
     defaults: dict[str, Any] = {
-        "fractions": (0.6, 0.95) if quick else (0.5, 0.65, 0.85, 0.95, 1.05, 1.15),
-        "fixed": (0.6, 0.95) if quick else (0.5, 0.85, 0.95),
-        "e2e": () if quick else (0.5, 0.95),
-        "warmup": 6.0 if quick else 10.0,
-        "window": 8.0 if quick else 10.0,
-        "ttft_tail_cap": 5.0,
-        "e2e_tail_cap": 30.0,
+        "fractions": (0.6, 0.95) if quick else (0.85, 0.95),
+        "e2e": () if quick else (0.85, 0.95),
+        "extra": 0 if quick else 2,
+        "time_scale": 1.0 if quick else 0.8,
+        # A worker's running batch takes 40-60 s to settle near its capacity (longer on a slow
+        # worker); shorter warm-ups hide overload, because continuous batching admits new
+        # requests at once until the batch is full (measured: see README, Routing evidence).
+        "warmup": 6.0 if quick else 40.0,
+        "window": 8.0,
         "routers": ["queue", "round_robin"] if quick else list(ALL_ROUTERS),
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.fixed is None:
+        args.fixed = args.fractions
     if args.out is None:
         stem = "routing_vllm" if args.engine == "vllm" else "routing"
         args.out = RESULTS / (f"{stem}_quick.json" if quick else f"{stem}.json")
@@ -460,9 +513,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         window_s=args.window,
         ttft_tail_cap_s=args.ttft_tail_cap,
         e2e_tail_cap_s=args.e2e_tail_cap,
-        fractions=tuple(args.fractions),
+        grid=tuple(args.fractions),
         fixed=tuple(args.fixed),
         e2e=tuple(args.e2e),
+        extra=args.extra,
+        resolution=args.resolution,
+        max_fraction=args.max_fraction,
         slo_ms=args.slo_ms,
         seed=args.seed,
     )
@@ -473,48 +529,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [table[key] for key in args.scenarios]
     mix = workload.Mix(model=fleet.MODEL)
     bench = Bench(args, plan, mix)
+    partial = args.out.with_suffix(".partial.json")
+    commit_at_start = git_commit()
     started = time.time()
+    if args.resume and partial.exists():
+        previous = json.loads(partial.read_text())
+        bench.results = [RunResult(**run) for run in previous["runs"]]
+        started -= previous.get("wall_time_s", 0.0)
+        print(f"resuming with {len(bench.results)} runs from {partial}")
+
+    def document() -> dict[str, Any]:
+        return {
+            "command": "python -m benchmarks.routing " + " ".join(args.argv),
+            "git_commit": commit_at_start,
+            "git_commit_at_end": git_commit(),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "wall_time_s": round(time.time() - started, 1),
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+            },
+            "settings": {
+                "units": "engine time: wall durations / time_scale, rates x time_scale "
+                "(load generator lag and CPU in wall time)",
+                "plan": asdict(plan),
+                "worker_capacity_rps": round(bench.worker_capacity, 3),
+                "scenarios": {s.name: asdict(s) for s in chosen},
+                "routers": {name: asdict(fleet.ROUTERS[name]) for name in routers},
+                "skipped_routers": missing,
+                "mix": asdict(replace(mix)),
+                "mix_per_page": workload.describe(mix),
+                "dp_interval_s": args.dp_interval,
+                "gateway_args": args.gateway_arg,
+                "gateway_defaults": gateway_defaults(),
+                "vllm_router": fleet.find_vllm_router(),
+            },
+            "runs": [asdict(r) for r in bench.results],
+        }
+
+    def save_partial() -> None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(document(), indent=1) + "\n")
+
+    bench.on_result = save_partial
     try:
         import uvloop
 
         uvloop.run(bench.run(chosen, routers))
     finally:
         bench.procs.stop_all()
-    elapsed = time.time() - started
-    document = {
-        "command": "python -m benchmarks.routing "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "git_commit": git_commit(),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "wall_time_s": round(elapsed, 1),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "settings": {
-            "plan": asdict(plan),
-            "worker_capacity_rps": round(bench.worker_capacity, 3),
-            "scenarios": {s.name: asdict(s) for s in chosen},
-            "routers": {name: asdict(fleet.ROUTERS[name]) for name in routers},
-            "skipped_routers": missing,
-            "mix": asdict(replace(mix)),
-            "mix_per_page": workload.describe(mix),
-            "dp_interval_s": args.dp_interval,
-            "gateway_args": args.gateway_arg,
-            "gateway_defaults": gateway_defaults(),
-            "vllm_router": fleet.find_vllm_router(),
-        },
-        "runs": [asdict(r) for r in bench.results],
-    }
-    document["summary"] = report.summarise_document(document)
+    final = document()
+    final["summary"] = report.summarise_document(final)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1) + "\n")
-    markdown = report.markdown(document)
+    args.out.write_text(json.dumps(final, indent=1) + "\n")
+    partial.unlink(missing_ok=True)
+    markdown = report.markdown(final)
     args.out.with_suffix(".md").write_text(markdown)
     if not args.no_plots:
         with contextlib.suppress(ImportError):
-            report.plots(document, args.out.parent, args.out.stem)
+            report.plots(final, args.out.parent, args.out.stem)
     print(markdown)
-    print(f"wall time {elapsed / 60:.1f} min; results in {args.out}")
+    print(f"wall time {final['wall_time_s'] / 60:.1f} min; results in {args.out}")
     return 0

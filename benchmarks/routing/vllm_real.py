@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -25,6 +26,7 @@ import aiohttp
 
 from . import fleet, loadgen, workload
 from .stats import percentile, summarise
+from .suite import FOREIGN_CPU_LIMIT, cpu_share
 
 POLICIES = ("round_robin", "queue")
 
@@ -68,6 +70,16 @@ async def calibrate(
     return sum(o.window_done for o in outcomes) / phases.window_s
 
 
+def _cpu_sample(pids: Sequence[int]) -> dict[str, float]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    busy, total = fleet.machine_busy()
+    return {
+        "ours": usage.ru_utime + usage.ru_stime + sum(fleet.cpu_seconds(pid) for pid in pids),
+        "_busy": busy,
+        "_total": total,
+    }
+
+
 async def one_case(
     session: aiohttp.ClientSession,
     gateway: str,
@@ -77,8 +89,11 @@ async def one_case(
     direct_rate: float,
     phases: loadgen.Phases,
     seed: int,
+    pids: Callable[[], list[int]],
 ) -> dict[str, Any]:
     before = await success_counts(session, urls)
+    cpu_before = _cpu_sample(pids())
+    started = time.perf_counter()
     stop = asyncio.Event()
     background = None
     if direct_rate > 0:
@@ -88,6 +103,7 @@ async def one_case(
     outcome = await loadgen.run_open_loop(session, gateway, arrivals, phases)
     stop.set()
     bg_records = await background if background is not None else []
+    cpu = cpu_share(cpu_before, _cpu_sample(pids()), time.perf_counter() - started)
     await wait_idle(session, urls)
     after = await success_counts(session, urls)
     result = summarise(
@@ -117,6 +133,7 @@ async def one_case(
         "gateway_requests_per_worker": routed,
         "worker0_share_of_gateway": routed[0] / max(1.0, sum(routed)),
         "lag_ms_p99": round(percentile(lags, 99) * 1000, 2),
+        "cpu": cpu,
     }
 
 
@@ -152,8 +169,8 @@ async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
                     )
                     try:
                         await router.ready()
-                        case = await one_case(
-                            session, router.url, urls, mix, rate, case_direct, phases, args.seed
+                        case = await _guarded_case(
+                            session, router, servers, urls, mix, rate, case_direct, phases, args
                         )
                     finally:
                         router.stop()
@@ -165,6 +182,35 @@ async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
         for server in servers:
             server.stop()
     return document
+
+
+async def _guarded_case(
+    session: aiohttp.ClientSession,
+    router: fleet.RunningRouter,
+    servers: Sequence[Any],
+    urls: Sequence[str],
+    mix: workload.Mix,
+    rate: float,
+    direct: float,
+    phases: loadgen.Phases,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One case, run again (twice at most) when other processes took over half a core: on two
+    cores the engines themselves are the bottleneck, so any outside load distorts the result."""
+
+    def pids() -> list[int]:
+        return [router.pid, *(pid for server in servers for pid in server.pids())]
+
+    attempts = []
+    for _ in range(3):
+        case = await one_case(session, router.url, urls, mix, rate, direct, phases, args.seed, pids)
+        attempts.append(case)
+        if case["cpu"]["foreign_cores"] <= FOREIGN_CPU_LIMIT:
+            break
+        print(f"  (other processes used {case['cpu']['foreign_cores']:.2f} cores: again)")
+    best = min(attempts, key=lambda c: float(c["cpu"]["foreign_cores"]))
+    best["attempts"] = len(attempts)
+    return best
 
 
 def _format(case: dict[str, Any]) -> str:

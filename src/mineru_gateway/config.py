@@ -69,15 +69,25 @@ class GatewaySettings(BaseSettings):
         0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."
     )
     pace_weighting: bool = Field(
-        True,
+        False,
         description="Scale each worker's load by its reported inter-token latency against its "
-        "peers' (a slower NPU gets less).",
+        "peers'. Off by default: latency grows with load, so it counts load twice and lags; "
+        "own in-flight counts already give a slower NPU less (README, Routing evidence).",
+    )
+    waiting_weight: float = Field(
+        3.0,
+        ge=0,
+        description="Routing cost of each request a worker reports waiting, in running-batch "
+        "slots, on top of the slot it will hold (vLLM's own DP balancer uses 4*waiting+running).",
     )
     prefill_weight: float = Field(
-        0.001, ge=0, description="Routing cost of a prompt token, in running-batch slots."
+        0.001,
+        ge=0,
+        description="Routing cost of a prompt token until the answer's first byte, in "
+        "running-batch slots (a 1036x1036 page is ~1.4).",
     )
     decode_weight: float = Field(
-        0.002, ge=0, description="Routing cost of an expected answer token, in batch slots."
+        0.0, ge=0, description="Routing cost of an expected answer token, in batch slots."
     )
     default_decode_tokens: float = Field(
         256, gt=0, description="Expected answer length before one is learnt for a request class."

@@ -1,22 +1,27 @@
-"""What a request will cost a worker, in batch-slot units, learnt as traffic flows. Pure.
+"""What a request will cost a worker, in running-batch slots, learnt as traffic flows. Pure.
 
 MinerU traffic mixes full-page layout requests (a 1036x1036 image, hundreds to thousands of output
 tokens) with many small block requests (tens of tokens): counting requests treats them as equal
-(issue 3). A request's cost is
+(issue 3). A request's cost has two parts:
 
-    1 + prefill_weight * prompt_tokens + decode_weight * expected_decode_tokens
+    prefill = prefill_weight * prompt_tokens          (until its first byte comes back)
+    hold    = 1 + decode_weight * expected_decode_tokens   (until it ends)
 
 - The unit is one sequence in the worker's running batch. Under continuous batching, what delays a
   new request's first token is how many sequences share each engine step (step time grows with
-  the batch) and how much prefill is queued ahead of it; a long answer does not block anyone, it
-  only holds its slot for longer. Weighting whole answers as work (a layout request as ~25 block
-  requests) made routing avoid a worker for seconds because of one long answer and lost to plain
-  request counting on TTFT p99 (benchmarks/results/routing.md); so cost stays close to a count.
-- `prefill_weight` 0.001: a 1036x1036 page (1369 visual tokens) adds ~1.4 slots: its prefill
-  costs about as much engine time as a step of a full batch (~55 ms on a 910B, sim/config.py).
-- `decode_weight` 0.002: a 1000-token layout answer adds 2 slots, for the steps it occupies.
-- Expected decode is learnt per request class (model, MinerU task, image or not) as a moving
-  average of observed completion lengths, capped by `max_tokens`; `ignore_eos` means `max_tokens`.
+  the batch, and `max_num_seqs` caps it) and how much prefill is queued ahead of it. A long answer
+  does not block anyone: it only holds its slot for longer, which the in-flight count already
+  shows while it lasts. Weighting whole answers as work lost to plain request counting on TTFT
+  p99, and so did keeping a page's prefill weight on it after its prefill was done: the gateway
+  then packed a worker with cheap requests until its batch was full
+  (benchmarks/results/routing.md, "How the load signal was chosen").
+- `prefill_weight` 0.001: a 1036x1036 page (1369 visual tokens) adds ~1.4 slots while it waits for
+  prefill: its prefill costs about as much engine time as a step of a full batch (~55 ms on a
+  910B, sim/config.py). The relay releases it at the first byte of the answer (streams) or at the
+  answer (non-streaming, where the first token is not visible).
+- `decode_weight` 0 by default: expected answer lengths are learnt (per class: model, MinerU task,
+  image or not; capped by `max_tokens`; `ignore_eos` means `max_tokens`) and can be weighted, but
+  measured on the MinerU mix any weight above ~0.0005 per token made TTFT p99 worse.
 """
 
 from __future__ import annotations
@@ -27,6 +32,18 @@ from dataclasses import dataclass
 from mineru_gateway.prompts import PromptEstimate
 
 ClassKey = tuple[str, str, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Estimated cost in batch slots: `prefill` until the first byte, `hold` until the end."""
+
+    prefill: float
+    hold: float
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +65,7 @@ class CostModel:
         self,
         *,
         prefill_weight: float = 0.001,
-        decode_weight: float = 0.002,
+        decode_weight: float = 0.0,
         default_decode_tokens: float = 256.0,
         smoothing: float = 0.1,
         max_classes: int = 256,
@@ -59,7 +76,6 @@ class CostModel:
         self.smoothing = smoothing
         self.max_classes = max_classes
         self._decode: OrderedDict[ClassKey, float] = OrderedDict()
-        self.mean_cost = 1.0 + prefill_weight * 100 + decode_weight * default_decode_tokens
 
     def expected_decode(self, inputs: CostInputs) -> float:
         if inputs.ignore_eos and inputs.max_tokens is not None:
@@ -67,14 +83,11 @@ class CostModel:
         learnt = self._decode.get(inputs.key, self.default_decode_tokens)
         return learnt if inputs.max_tokens is None else min(learnt, inputs.max_tokens)
 
-    def estimate(self, inputs: CostInputs) -> float:
-        cost = (
-            1.0
-            + self.prefill_weight * inputs.prompt.tokens
-            + self.decode_weight * self.expected_decode(inputs)
+    def estimate(self, inputs: CostInputs) -> Cost:
+        return Cost(
+            prefill=self.prefill_weight * inputs.prompt.tokens,
+            hold=1.0 + self.decode_weight * self.expected_decode(inputs),
         )
-        self.mean_cost += self.smoothing * (cost - self.mean_cost)
-        return cost
 
     def learn(self, inputs: CostInputs, completion_tokens: int) -> None:
         key = inputs.key

@@ -10,10 +10,14 @@ The load signal (issue 3) combines two sources:
 - the worker's own queue from its `/metrics` (`vllm:num_requests_waiting`/`running`,
   `vllm:kv_cache_usage_perc`), a few hundred milliseconds old: the only way to see load this
   gateway did not send (other gateway replicas, clients calling the worker directly). Requests
-  the worker reports beyond this gateway's own count are priced at the mean request cost.
+  the worker reports beyond this gateway's own count hold one batch slot each (their prompts are
+  unknown), and a waiting queue, whoever sent it, adds `waiting_weight` per waiting request: a
+  worker with requests waiting has a full batch (or KV cache), so a new request there waits too.
 A worker whose figures are stale contributes only the gateway's own counts; a worker that reports
 a slower pace (a degraded NPU) has its load scaled by its `slowness`; a nearly full KV cache is
 avoided.
+
+    score = (own_cost + external + waiting_weight * waiting) * slowness * kv_factor
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ class WorkerView:
     models: frozenset[str] = field(default_factory=frozenset)
     own_cost: float = 0.0  # estimated cost of this gateway's in-flight requests on the worker
     reported: ReportedLoad | None = None
-    unit_cost: float = 1.0  # estimated cost of a request the gateway knows nothing about
     slowness: float = 1.0  # the worker's pace relative to its peers (2.0: half speed)
 
     def serves(self, model: str | None) -> bool:
@@ -103,6 +106,7 @@ class LoadModel:
     stale_after_s: float = 1.0  # older worker figures are ignored (own counts only)
     kv_avoid_above: float = 0.95  # such workers are skipped while any other can serve
     kv_penalty_from: float = 0.8  # from here the score grows, up to 3x at a full cache
+    waiting_weight: float = 3.0  # extra slots per request the worker reports waiting
 
     def fresh(self, view: WorkerView) -> ReportedLoad | None:
         reported = view.reported
@@ -110,13 +114,13 @@ class LoadModel:
 
     def score(self, view: WorkerView) -> float:
         reported = self.fresh(view)
-        external = 0.0
+        load = view.own_cost
         kv_factor = 1.0
         if reported is not None:
-            external = max(0.0, reported.waiting + reported.running - reported.own_at_scrape)
+            load += max(0.0, reported.waiting + reported.running - reported.own_at_scrape)
+            load += self.waiting_weight * reported.waiting
             over = max(0.0, reported.kv_usage - self.kv_penalty_from)
             kv_factor += 2.0 * over / (1.0 - self.kv_penalty_from)
-        load = view.own_cost + external * view.unit_cost
         return load * view.slowness * kv_factor
 
     def usable(self, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:

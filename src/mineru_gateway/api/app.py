@@ -51,7 +51,9 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
     )
     metrics = GatewayMetrics()
     load_model = LoadModel(
-        stale_after_s=settings.stale_after_s, kv_avoid_above=settings.kv_avoid_above
+        stale_after_s=settings.stale_after_s,
+        kv_avoid_above=settings.kv_avoid_above,
+        waiting_weight=settings.waiting_weight,
     )
     registry = WorkerRegistry(
         settings.workers,

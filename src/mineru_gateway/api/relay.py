@@ -43,7 +43,7 @@ from mineru_gateway.errors import (
     UpstreamTimeout,
 )
 from mineru_gateway.metrics import GatewayMetrics, Series
-from mineru_gateway.workers.registry import Worker
+from mineru_gateway.workers.registry import Lease
 from mineru_gateway.workers.upstream import UpstreamResponse
 
 Scope = MutableMapping[str, Any]
@@ -183,9 +183,9 @@ class Relay:
             worker = registry.choose(request.model, exclude=tried)
             tried.append(worker.url)
             exchange.worker, exchange.attempts = worker.url, len(tried)
-            with registry.lease(worker, cost):
+            with registry.lease(worker, cost) as lease:
                 try:
-                    await self._attempt(context, worker, request, headers, exchange)
+                    await self._attempt(context, lease, request, headers, exchange)
                 except _Retry as failure:
                     registry.record_failure(
                         worker, failure.reason, str(failure), at_once=failure.eject_now
@@ -199,11 +199,12 @@ class Relay:
     async def _attempt(
         self,
         context: GatewayContext,
-        worker: Worker,
+        lease: Lease,
         request: ParsedRequest,
         headers: dict[str, str],
         exchange: Exchange,
     ) -> None:
+        worker = lease.worker
         if exchange.upstream_sent is None:
             exchange.upstream_sent = time.perf_counter()
             context.metrics.time_to_upstream.series(request.model or "").observe(
@@ -212,7 +213,7 @@ class Relay:
         upstream: UpstreamResponse | None = None
         try:
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
-            await _relay_response(upstream, exchange, context.metrics, request)
+            await _relay_response(upstream, exchange, context.metrics, request, lease)
         except UpstreamTimeout:
             raise  # the worker is alive but slow: another would not be faster
         except UpstreamConnectError as error:
@@ -240,10 +241,12 @@ async def _relay_response(
     exchange: Exchange,
     metrics: GatewayMetrics,
     request: ParsedRequest,
+    lease: Lease,
 ) -> None:
     if upstream.status == 200 and upstream.is_event_stream:
         async for chunk in upstream.iter_chunks():
             if exchange.status is None:
+                lease.prefilled()
                 await exchange.start(200, upstream.content_type)
                 exchange.measure_gaps(
                     metrics.itl.series(request.model or "", exchange.worker or "")

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from mineru_gateway.cost import CostModel
+from mineru_gateway.cost import Cost, CostModel
 from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.routing import ReportedLoad, RoutingPolicy, WorkerView, candidates_for
@@ -89,6 +89,24 @@ class Worker:
         }
 
 
+class Lease:
+    """A request's place on a worker; `prefilled()` releases the prefill part of its cost."""
+
+    __slots__ = ("cost", "prefill_done", "worker")
+
+    def __init__(self, worker: Worker, cost: Cost) -> None:
+        self.worker = worker
+        self.cost = cost
+        self.prefill_done = False
+
+    def prefilled(self) -> None:
+        """The worker sent the first byte of the answer: the prompt is no longer queued work."""
+        if not self.prefill_done:
+            self.prefill_done = True
+            worker = self.worker
+            worker.own_cost = max(0.0, worker.own_cost - self.cost.prefill)
+
+
 class WorkerRegistry:
     def __init__(
         self,
@@ -99,7 +117,7 @@ class WorkerRegistry:
         health_interval_s: float,
         health_timeout_s: float,
         load_interval_s: float = 0.2,
-        pace_weighting: bool = True,
+        pace_weighting: bool = False,
         eject_after: int = 3,
         cost_model: CostModel | None = None,
         metrics: GatewayMetrics | None = None,
@@ -135,7 +153,6 @@ class WorkerRegistry:
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
         slowness = self._slowness()
-        unit_cost = self.cost_model.mean_cost
         return [
             WorkerView(
                 name=worker.url,
@@ -144,7 +161,6 @@ class WorkerRegistry:
                 models=frozenset(worker.models),
                 own_cost=worker.own_cost,
                 reported=worker.reported(now),
-                unit_cost=unit_cost,
                 slowness=slowness.get(worker.url, 1.0),
             )
             for worker in self._workers.values()
@@ -179,15 +195,17 @@ class WorkerRegistry:
         return NoHealthyWorker("no healthy worker is available for this request; retry later")
 
     @contextlib.contextmanager
-    def lease(self, worker: Worker, cost: float) -> Iterator[Worker]:
+    def lease(self, worker: Worker, cost: Cost) -> Iterator[Lease]:
         """Counts a request and its cost on `worker` for the block's duration, whatever happens."""
+        lease = Lease(worker, cost)
         worker.in_flight += 1
-        worker.own_cost += cost
+        worker.own_cost += cost.total
         try:
-            yield worker
+            yield lease
         finally:
             worker.in_flight -= 1
-            worker.own_cost = max(0.0, worker.own_cost - cost) if worker.in_flight else 0.0
+            held = cost.hold if lease.prefill_done else cost.total
+            worker.own_cost = max(0.0, worker.own_cost - held) if worker.in_flight else 0.0
 
     # -- passive health -------------------------------------------------------------------
     def record_failure(self, worker: Worker, reason: str, error: str, *, at_once: bool) -> None:
