@@ -8,6 +8,7 @@ import time
 import httpx
 
 from tests.conftest import StartGateway, StartSim
+from tests.support.workers import Script
 
 CHAT = "/v1/chat/completions"
 
@@ -74,3 +75,37 @@ async def test_load_sent_straight_to_a_worker_pushes_gateway_traffic_elsewhere(
         await asyncio.gather(*direct, return_exceptions=True)
     to_idle = completed(idle)
     assert to_idle >= 17, f"only {to_idle} of 20 gateway requests avoided the busy worker"
+
+
+async def test_a_request_weighs_its_prompt_only_until_the_first_byte_of_its_answer(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    gateway = start_gateway([worker])
+    long_prompt = {
+        "model": "echo-model",
+        "messages": [{"role": "user", "content": "x" * 4000}],  # ~1000 tokens: ~1 slot
+    }
+
+    async def cost_on_worker(client: httpx.AsyncClient) -> tuple[int, float]:
+        listing = (await client.get(gateway + "/v1/workers")).json()
+        return listing["workers"][0]["in_flight"], listing["workers"][0]["estimated_cost"]
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        script.mode = "stream_then_hang"  # first chunk at once, then nothing
+        async with client.stream(
+            "POST", gateway + CHAT, json=long_prompt | {"stream": True}
+        ) as streaming:
+            lines = streaming.aiter_lines()  # kept: a collected iterator closes the stream
+            await anext(lines)
+            assert await cost_on_worker(client) == (1, 1.0)  # prefilled: one batch slot
+            script.mode = "hang"  # a non-streaming answer: its first byte is the whole answer
+            waiting = asyncio.create_task(client.post(gateway + CHAT, json=long_prompt))
+            for _ in range(250):  # until the gateway has sent it (at most ~5 s)
+                if (state := await cost_on_worker(client))[0] == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert state[0] == 2
+            assert 2.8 <= state[1] <= 3.2  # 1 + (1 slot + ~1 of queued prefill)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
