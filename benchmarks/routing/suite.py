@@ -455,9 +455,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-plots", action="store_true")
     real = parser.add_argument_group("--engine vllm (real vLLM on CPU, 2 workers)")
-    real.add_argument("--vllm-load", type=float, default=0.45, help="fraction of capacity")
+    real.add_argument("--vllm-load", type=float, default=0.3, help="fraction of capacity")
     real.add_argument(
         "--vllm-direct", type=float, default=0.5, help="direct traffic, fraction of one worker"
+    )
+    real.add_argument(
+        "--vllm-direct-length-scale",
+        type=float,
+        default=4.0,
+        help="direct requests' answers are this many times longer (at 1/x the rate)",
     )
     real.add_argument("--vllm-warmup", type=float, default=8.0)
     real.add_argument("--vllm-window", type=float, default=25.0)

@@ -130,6 +130,13 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
     return io.BytesIO(body) if len(body) > LARGE_BODY else body
 
 
+# vLLM's API server (uvicorn) closes a keep-alive connection after 5 s idle
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). A pool that keeps connections longer reuses ones the worker is
+# closing: the request then fails with "Server disconnected" or "Can not write request body",
+# which counts towards ejecting a healthy worker (seen on real vLLM under load). Stay below it.
+KEEPALIVE_S = 4.0
+
+
 class UpstreamClient:
     """One pooled aiohttp session for every call to every worker; built in the app's lifespan."""
 
@@ -141,7 +148,7 @@ class UpstreamClient:
         connector = aiohttp.TCPConnector(
             limit=0,  # the gateway's admission control bounds concurrency, not the pool
             ttl_dns_cache=10,  # compose/Kubernetes service names may move
-            keepalive_timeout=30,
+            keepalive_timeout=KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
