@@ -72,7 +72,8 @@ bench-routing: install vllm-router
 ## The same on two real vLLM workers (CPU, tiny model), text only (about 4 minutes).
 bench-routing-vllm: install vllm
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
-		$(BIN)/python -m benchmarks.routing --engine vllm --out benchmarks/results/routing_vllm.json
+		$(BIN)/python -m benchmarks.routing --engine vllm --vllm-capacity 50 \
+		--out benchmarks/results/routing_vllm.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -465,6 +465,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=4.0,
         help="direct requests' answers are this many times longer (at 1/x the rate)",
     )
+    real.add_argument(
+        "--vllm-capacity",
+        type=float,
+        default=0.0,
+        help="both workers' capacity, requests/s (0: measure it by flooding them, noisy)",
+    )
     real.add_argument("--vllm-warmup", type=float, default=8.0)
     real.add_argument("--vllm-window", type=float, default=25.0)
     real.add_argument("--vllm-length-scale", type=float, default=0.3)
