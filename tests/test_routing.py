@@ -113,9 +113,9 @@ def stale(waiting: float = 0, running: float = 0, kv: float = 0.0) -> ReportedLo
         ([loaded("a", 0, fresh(running=40)), loaded("b", 30, fresh(running=10, own=10))], "b"),
         # the worker's count includes this gateway's requests: they are not counted twice
         ([loaded("a", 5, fresh(running=5, own=5)), loaded("b", 2, fresh(running=9))], "a"),
-        # requests waiting at a worker (a full batch) weigh more than running ones: 5 + 3x5
-        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 18, fresh(running=18, own=18))], "b"),
-        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 22, fresh(running=22, own=22))], "a"),
+        # requests waiting at a worker (a full batch) weigh more than running ones: 5 + 1x5
+        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 9, fresh(running=9, own=9))], "b"),
+        ([loaded("a", 0, fresh(waiting=5)), loaded("b", 11, fresh(running=11, own=11))], "a"),
         # stale figures are ignored: own cost alone decides
         ([loaded("a", 10, stale(waiting=50)), loaded("b", 20)], "a"),
         # a slow worker's load weighs more

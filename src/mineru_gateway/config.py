@@ -75,7 +75,7 @@ class GatewaySettings(BaseSettings):
         "own in-flight counts already give a slower NPU less (README, Routing evidence).",
     )
     waiting_weight: float = Field(
-        3.0,
+        1.0,
         ge=0,
         description="Routing cost of each request a worker reports waiting, in running-batch "
         "slots, on top of the slot it will hold (vLLM's own DP balancer uses 4*waiting+running).",

@@ -106,7 +106,7 @@ class LoadModel:
     stale_after_s: float = 1.0  # older worker figures are ignored (own counts only)
     kv_avoid_above: float = 0.95  # such workers are skipped while any other can serve
     kv_penalty_from: float = 0.8  # from here the score grows, up to 3x at a full cache
-    waiting_weight: float = 3.0  # extra slots per request the worker reports waiting
+    waiting_weight: float = 1.0  # extra slots per request the worker reports waiting
 
     def fresh(self, view: WorkerView) -> ReportedLoad | None:
         reported = view.reported
