@@ -13,15 +13,15 @@ tokens) with many small block requests (tens of tokens): counting requests treat
   does not block anyone: it only holds its slot for longer, which the in-flight count already
   shows while it lasts. Weighting whole answers as work lost to plain request counting on TTFT
   p99, and so did keeping a page's prefill weight on it after its prefill was done: the gateway
-  then packed a worker with cheap requests until its batch was full
-  (benchmarks/results/routing.md, "How the load signal was chosen").
+  then packed a worker with cheap requests until its batch was full (README, "Routing evidence").
 - `prefill_weight` 0.001: a 1036x1036 page (1369 visual tokens) adds ~1.4 slots while it waits for
   prefill: its prefill costs about as much engine time as a step of a full batch (~55 ms on a
   910B, sim/config.py). The relay releases it at the first byte of the answer (streams) or at the
   answer (non-streaming, where the first token is not visible).
 - `decode_weight` 0 by default: expected answer lengths are learnt (per class: model, MinerU task,
   image or not; capped by `max_tokens`; `ignore_eos` means `max_tokens`) and can be weighted, but
-  measured on the MinerU mix any weight above ~0.0005 per token made TTFT p99 worse.
+  the weights measured on the MinerU mix (a whole answer as work, then 0.002 per token) made TTFT
+  p99 worse.
 """
 
 from __future__ import annotations
