@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -63,6 +64,15 @@ def machine_busy() -> tuple[float, float]:
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     user, nice, system = values[0], values[1], values[2]
     return float(user + nice + system), float(sum(values[:8]))
+
+
+def cpu_sample(parts: dict[str, Sequence[int]]) -> dict[str, float]:
+    """CPU seconds so far of each named group of processes, of this process (`loadgen`), and the
+    machine's busy and total jiffies (`_busy`, `_total`): two samples make `suite.cpu_share`."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    busy, total = machine_busy()
+    sample = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in parts.items()}
+    return sample | {"loadgen": usage.ru_utime + usage.ru_stime, "_busy": busy, "_total": total}
 
 
 class Processes:

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import resource
 import signal
 import subprocess
 import sys
@@ -260,15 +259,7 @@ class Bench:
         return result
 
     def _cpu(self, router: fleet.RunningRouter, workers: fleet.SimWorkers) -> dict[str, float]:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        busy, total = fleet.machine_busy()
-        return {
-            "router": fleet.cpu_seconds(router.pid),
-            "workers": sum(fleet.cpu_seconds(pid) for pid in workers.pids),
-            "loadgen": usage.ru_utime + usage.ru_stime,
-            "_busy": busy,
-            "_total": total,
-        }
+        return fleet.cpu_sample({"router": [router.pid], "workers": workers.pids})
 
     async def wait_quiet(
         self, router: fleet.RunningRouter, workers: fleet.SimWorkers, limit_s: float = 60.0

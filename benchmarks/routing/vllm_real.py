@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -89,16 +88,6 @@ async def calibrate(
     return sum(o.window_done for o in outcomes) / phases.window_s
 
 
-def _cpu_sample(pids: Sequence[int]) -> dict[str, float]:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    busy, total = fleet.machine_busy()
-    return {
-        "ours": usage.ru_utime + usage.ru_stime + sum(fleet.cpu_seconds(pid) for pid in pids),
-        "_busy": busy,
-        "_total": total,
-    }
-
-
 async def one_case(
     session: aiohttp.ClientSession,
     gateway: str,
@@ -113,7 +102,7 @@ async def one_case(
 ) -> dict[str, Any]:
     before = await success_counts(session, urls)
     routed_before = await routed_counts(session, gateway, urls)
-    cpu_before = _cpu_sample(pids())
+    cpu_before = fleet.cpu_sample({"router_and_vllm": pids()})
     started = time.perf_counter()
     stop = asyncio.Event()
     background = None
@@ -127,7 +116,9 @@ async def one_case(
     outcome = await loadgen.run_open_loop(session, gateway, arrivals, phases)
     stop.set()
     bg_records = await background if background is not None else []
-    cpu = cpu_share(cpu_before, _cpu_sample(pids()), time.perf_counter() - started)
+    cpu = cpu_share(
+        cpu_before, fleet.cpu_sample({"router_and_vllm": pids()}), time.perf_counter() - started
+    )
     await wait_idle(session, urls)
     after = await success_counts(session, urls)
     result = summarise(

@@ -168,8 +168,10 @@ class WorkerRegistry:
 
     def _slowness(self) -> dict[str, float]:
         """Each worker's reported inter-token latency against the median of its healthy peers."""
+        if not self._pace_weighting:
+            return {}
         paces = {w.url: w.itl_s for w in self._workers.values() if w.healthy and w.itl_s}
-        if len(paces) < 2 or not self._pace_weighting:
+        if len(paces) < 2:
             return {}
         median = statistics.median(paces.values())
         low, high = SLOWNESS_BOUNDS
