@@ -38,6 +38,19 @@ MODEL_PARAMS: dict[str, Any] = {
     "initializer_range": 0.2,  # larger than usual: varied greedy tokens
     "tie_word_embeddings": True,
 }
+# Sizes: `tiny` for the protocol tests (a decode step of 4 sequences takes about 2 ms on one core,
+# so vLLM's API server, not its engine, is the bottleneck); `small` for the real-vLLM routing
+# check, where requests must spend their life in the engine (running or waiting), as on an NPU.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+    },
+}
 VOCAB_SIZE = 1024
 SEED = 1234
 
@@ -72,10 +85,14 @@ Le chat est sur la table. Der Hund schläft. El niño come manzanas. 你好世�
 """
 
 
-def build_params() -> dict[str, Any]:
+def model_params(size: str) -> dict[str, Any]:
+    return MODEL_PARAMS | SIZES[size]
+
+
+def build_params(size: str = "tiny") -> dict[str, Any]:
     return {
         "build_version": BUILD_VERSION,
-        "model": MODEL_PARAMS,
+        "model": model_params(size),
         "vocab_size": VOCAB_SIZE,
         "seed": SEED,
         "chat_template": CHAT_TEMPLATE,
@@ -85,7 +102,7 @@ def build_params() -> dict[str, Any]:
     }
 
 
-def is_complete(out: Path) -> bool:
+def is_complete(out: Path, size: str = "tiny") -> bool:
     stamp = out / STAMP
     if not stamp.is_file():
         return False
@@ -93,7 +110,7 @@ def is_complete(out: Path) -> bool:
         recorded = json.loads(stamp.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return bool(recorded == build_params())
+    return bool(recorded == build_params(size))
 
 
 def train_tokenizer(work: Path) -> Any:
@@ -144,7 +161,7 @@ def train_tokenizer(work: Path) -> Any:
     return fast
 
 
-def build(out: Path) -> None:
+def build(out: Path, size: str = "tiny") -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -167,8 +184,8 @@ def build(out: Path) -> None:
             pad_token_id=pad_id,
             use_sliding_window=False,
             sliding_window=None,
-            max_window_layers=MODEL_PARAMS["num_hidden_layers"],
-            **MODEL_PARAMS,
+            max_window_layers=model_params(size)["num_hidden_layers"],
+            **model_params(size),
         )
         config.dtype = "float32"
         model = Qwen2ForCausalLM(config).eval()
@@ -182,7 +199,7 @@ def build(out: Path) -> None:
         for path in model_dir.iterdir():
             path.chmod(0o644)  # safetensors writes 0600; a shared cache wants readable files
         (model_dir / STAMP).write_text(
-            json.dumps(build_params(), indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            json.dumps(build_params(size), indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
 
         if out.exists():
@@ -190,7 +207,7 @@ def build(out: Path) -> None:
         try:
             os.replace(model_dir, out)
         except OSError:
-            if not is_complete(out):  # else a concurrent build finished first: same model
+            if not is_complete(out, size):  # else a concurrent build finished first: same model
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -210,15 +227,16 @@ def remove_stale(out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="model directory to create")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args(argv)
     out: Path = args.out.expanduser().resolve()
 
-    if is_complete(out):
-        print(f"tiny model: reusing {out}")
+    if is_complete(out, args.size):
+        print(f"{args.size} model: reusing {out}")
         return 0
-    print(f"tiny model: building into {out}")
-    build(out)
-    print(f"tiny model: ready in {out}")
+    print(f"{args.size} model: building into {out}")
+    build(out, args.size)
+    print(f"{args.size} model: ready in {out}")
     return 0
 
 

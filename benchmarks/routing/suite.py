@@ -446,26 +446,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-plots", action="store_true")
     real = parser.add_argument_group("--engine vllm (real vLLM on CPU, 2 workers)")
-    real.add_argument("--vllm-load", type=float, default=0.3, help="fraction of capacity")
+    real.add_argument("--vllm-load", type=float, default=0.45, help="fraction of capacity")
     real.add_argument(
         "--vllm-direct", type=float, default=0.5, help="direct traffic, fraction of one worker"
-    )
-    real.add_argument(
-        "--vllm-direct-length-scale",
-        type=float,
-        default=4.0,
-        help="direct requests' answers are this many times longer (at 1/x the rate)",
     )
     real.add_argument(
         "--vllm-capacity",
         type=float,
         default=0.0,
-        help="both workers' capacity, requests/s (0: measure it by flooding them, noisy)",
+        help="both workers' capacity, requests/s (0: the one measured at the start, which "
+        "moves by 10-20%% between runs)",
     )
-    real.add_argument("--vllm-warmup", type=float, default=8.0)
-    real.add_argument("--vllm-window", type=float, default=25.0)
-    real.add_argument("--vllm-length-scale", type=float, default=0.3)
+    real.add_argument("--vllm-warmup", type=float, default=15.0)
+    real.add_argument("--vllm-window", type=float, default=60.0)
+    real.add_argument("--vllm-length-scale", type=float, default=0.5)
     real.add_argument("--vllm-tolerance", type=float, default=0.1)
+    real.add_argument(
+        "--vllm-model",
+        default="~/.cache/mineru-gateway/small-qwen2",
+        help="model directory (`make small-model`; see benchmarks/routing/vllm_real.py)",
+    )
+    real.add_argument(
+        "--vllm-server-arg",
+        action="append",
+        default=[],
+        help="extra argument for each vLLM server (e.g. --vllm-server-arg=--max-num-seqs=4)",
+    )
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     quick = args.quick

@@ -129,6 +129,13 @@ class GatewaySettings(BaseSettings):
     )
     health_interval_s: float = Field(2.0, gt=0, description="Between two health checks.")
     health_timeout_s: float = Field(2.0, gt=0, description="One health check, /health + models.")
+    slow_probes_to_eject: int = Field(
+        3,
+        ge=1,
+        description="Health checks in a row that time out before a worker is taken out of "
+        "routing (a worker busy with a full batch answers /health late); a refused connection "
+        "or an error answer takes it out at once.",
+    )
     npu_smi: str = Field(
         "off",
         description="NPU telemetry in /metrics: off, auto (npu-smi on PATH), or npu-smi's path.",

@@ -30,10 +30,12 @@ class Script:
     seen: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     healthy: bool = True
+    health_delay_s: float = 0.0  # /health answers this late (a worker busy with a full batch)
 
 
 def scripted_worker(script: Script) -> Starlette:
     async def health(request: Request) -> Response:
+        await asyncio.sleep(script.health_delay_s)
         return Response(status_code=200 if script.healthy else 503)
 
     async def models(request: Request) -> Response:

@@ -8,16 +8,23 @@ from mineru_gateway.cost import Cost
 from mineru_gateway.routing import RoundRobin
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+from tests.support.workers import Script
 
 
-def registry_of(*urls: str, pace_weighting: bool = True) -> WorkerRegistry:
+def registry_of(
+    *urls: str,
+    pace_weighting: bool = True,
+    health_timeout_s: float = 1,
+    client: UpstreamClient | None = None,
+) -> WorkerRegistry:
     return WorkerRegistry(
         list(urls),
-        UpstreamClient(Timeouts(1, 1, 1)),
+        client or UpstreamClient(Timeouts(1, 1, 1)),
         RoundRobin(),
         health_interval_s=60,
-        health_timeout_s=1,
+        health_timeout_s=health_timeout_s,
         pace_weighting=pace_weighting,
+        slow_probes_to_eject=3,
     )
 
 
@@ -52,3 +59,53 @@ def test_pace_weighting_scales_workers_by_reported_latency(
     for worker, itl in zip(registry.workers, (0.01, 0.03), strict=True):
         worker.healthy, worker.itl_s = True, itl
     assert {view.slowness for view in registry.views()} == expected
+
+
+async def test_a_worker_slow_to_answer_its_probe_stays_in_routing_until_three_in_a_row(
+    scripted: tuple[Script, str],
+) -> None:
+    script, url = scripted
+    client = UpstreamClient(Timeouts(1, 1, 1))
+    registry = registry_of(url, health_timeout_s=0.2, client=client)
+    await client.start()
+    try:
+        worker = registry.workers[0]
+        await registry.check(worker)
+        assert worker.healthy
+        script.health_delay_s = 0.5  # busy: /health answers after the probe gave up
+        await registry.check(worker)
+        await registry.check(worker)
+        assert worker.healthy, "two slow probes are load, not a dead worker"
+        assert "took longer than 0.2 s" in (worker.last_error or "")
+        script.health_delay_s = 0.0
+        await registry.check(worker)  # a good probe starts the count again
+        script.health_delay_s = 0.5
+        for _ in range(2):
+            await registry.check(worker)
+        assert worker.healthy
+        await registry.check(worker)
+        assert not worker.healthy, "the third slow probe in a row takes it out"
+        script.health_delay_s = 0.0
+        await registry.check(worker)
+        assert worker.healthy
+    finally:
+        await client.close()
+
+
+async def test_a_worker_answering_its_probe_with_an_error_is_taken_out_at_once(
+    scripted: tuple[Script, str],
+) -> None:
+    script, url = scripted
+    client = UpstreamClient(Timeouts(1, 1, 1))
+    registry = registry_of(url, client=client)
+    await client.start()
+    try:
+        worker = registry.workers[0]
+        await registry.check(worker)
+        assert worker.healthy
+        script.healthy = False  # vLLM's /health answers 503 when its engine is dead
+        await registry.check(worker)
+        assert not worker.healthy
+        assert "503" in (worker.last_error or "")
+    finally:
+        await client.close()

@@ -64,6 +64,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         load_interval_s=settings.load_interval_s,
         pace_weighting=settings.pace_weighting,
         eject_after=settings.eject_after,
+        slow_probes_to_eject=settings.slow_probes_to_eject,
         cost_model=CostModel(
             prefill_weight=settings.prefill_weight,
             decode_weight=settings.decode_weight,

@@ -3,7 +3,10 @@
 Health is learnt two ways: an active probe (`GET /health`, then `GET /v1/models`) every
 `health_interval_s`, and passively: a worker that cannot be connected to, or answers 5xx or drops
 connections `eject_after` times in a row, is taken out of routing and comes back on its next good
-probe.
+probe. A probe that is refused or answered with an error takes a worker out at once; one that
+merely times out does so only `slow_probes_to_eject` times in a row: a worker busy with a full
+batch (or sharing a few cores) answers `/health` late, and taking every such worker out would turn
+load into a "no healthy worker" outage.
 
 Load is learnt two ways too (issue 3): the gateway's own in-flight requests and their estimated
 cost, updated instantly by `lease`, and the worker's own queue read from its `/metrics` every
@@ -24,7 +27,7 @@ from typing import Any
 import structlog
 
 from mineru_gateway.cost import Cost, CostModel
-from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker
+from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker, UpstreamTimeout
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.routing import ReportedLoad, RoutingPolicy, WorkerView, candidates_for
 from mineru_gateway.workers.upstream import UpstreamClient
@@ -57,6 +60,7 @@ class Worker:
     last_error: str | None = None
     last_checked: float | None = None
     failures: int = 0  # consecutive passive failures
+    slow_probes: int = 0  # consecutive health probes that timed out
     scrape: Scrape | None = None
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
 
@@ -119,6 +123,7 @@ class WorkerRegistry:
         load_interval_s: float = 0.2,
         pace_weighting: bool = False,
         eject_after: int = 3,
+        slow_probes_to_eject: int = 3,
         cost_model: CostModel | None = None,
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
@@ -133,6 +138,7 @@ class WorkerRegistry:
         self._load_interval = load_interval_s
         self._pace_weighting = pace_weighting
         self._eject_after = eject_after
+        self._slow_probes_to_eject = slow_probes_to_eject
         self._rng = rng or random.Random()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -259,6 +265,13 @@ class WorkerRegistry:
             await self._client.get_ok(f"{worker.url}/health", self._timeout)
             listing = await self._client.get_json(f"{worker.url}/v1/models", self._timeout)
             models = {card["id"]: card for card in listing["data"]}
+        except UpstreamTimeout as exc:
+            worker.slow_probes += 1
+            if worker.healthy and worker.slow_probes < self._slow_probes_to_eject:
+                worker.last_error = str(exc)
+                log.info("worker_probe_slow", worker=worker.url, error=str(exc))
+            else:
+                self._set_health(worker, False, str(exc))
         except GatewayError as exc:
             self._set_health(worker, False, str(exc))
         except (KeyError, TypeError) as exc:
@@ -266,6 +279,7 @@ class WorkerRegistry:
         else:
             worker.models = models
             worker.failures = 0
+            worker.slow_probes = 0
             self._set_health(worker, True, None)
         worker.last_checked = time.time()
 
