@@ -570,6 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "mix": asdict(replace(mix)),
                 "mix_per_page": workload.describe(mix),
                 "dp_interval_s": args.dp_interval,
+                "seed": args.seed,
                 "gateway_args": args.gateway_arg,
                 "gateway_defaults": gateway_defaults(),
                 "vllm_router": fleet.find_vllm_router(),
