@@ -87,8 +87,14 @@ def summarise(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
+def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str], summary: str) -> str:
     lines = [
+        "## TTFT p99 at the knee (1.0 K), repeated over seeds",
+        "",
+        "Engine milliseconds (simulator time scale 0.8, 40 s warm-up, 8 s measured). 'Over the "
+        "best router' divides a router's p99 by the lowest p99 of the same seed's run (the same "
+        "arrivals). Confidence intervals are Student's t over the seeds.",
+        "",
         "| scenario | router | TTFT p99 per seed (ms) | mean +/- 95% CI (ms) "
         "| over the best router, per seed | mean +/- 95% CI | best in |",
         "|---|---|---|---|---|---|---|",
@@ -102,8 +108,9 @@ def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str]) -> str:
             f"| {row['over_best_mean']:.2f} +/- {row['over_best_ci95']:.2f} "
             f"| {row['best_in']} of {len(row['seeds'])} |"
         )
-    lines += ["", "Commands (from the repository root):", ""]
+    lines += ["", "Commands (from the repository root), then this table:", ""]
     lines += [f"    {command}" for command in commands]
+    lines += [f"    {summary}"]
     return "\n".join(lines) + "\n"
 
 
@@ -115,7 +122,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     documents = [json.loads(path.read_text()) for path in args.results]
     commands = [document["command"] for document in documents]
     rows = summarise(documents)
-    text = markdown(rows, commands)
+    summary = "python -m benchmarks.routing.knee " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    text = markdown(rows, commands, summary)
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")

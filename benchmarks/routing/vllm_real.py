@@ -35,7 +35,7 @@ import aiohttp
 
 from . import fleet, loadgen, workload
 from .stats import percentile, summarise
-from .suite import FOREIGN_CPU_LIMIT, cpu_share
+from .suite import cpu_share, least_disturbed
 
 POLICIES = ("round_robin", "queue")
 
@@ -247,31 +247,18 @@ async def _guarded_case(
     phases: loadgen.Phases,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One case, run again (twice at most) when other processes took over half a core: on two
-    cores the engines themselves are the bottleneck, so any outside load distorts the result."""
+    """One case, run again when other processes took over half a core (`least_disturbed`): on
+    two cores the engines themselves are the bottleneck, so any outside load distorts the
+    result."""
 
     def pids() -> list[int]:
         return [router.pid, *(pid for server in servers for pid in server.pids())]
 
-    attempts = []
-    for _ in range(3):
-        case = await one_case(
-            session,
-            router.url,
-            urls,
-            mix,
-            rate,
-            direct,
-            phases,
-            args.seed,
-            pids,
-        )
-        attempts.append(case)
-        if case["cpu"]["foreign_cores"] <= FOREIGN_CPU_LIMIT:
-            break
-        print(f"  (other processes used {case['cpu']['foreign_cores']:.2f} cores: again)")
-    best = min(attempts, key=lambda c: float(c["cpu"]["foreign_cores"]))
-    best["attempts"] = len(attempts)
+    async def attempt() -> dict[str, Any]:
+        return await one_case(session, router.url, urls, mix, rate, direct, phases, args.seed, pids)
+
+    best, attempts = await least_disturbed(attempt, lambda case: case["cpu"], busy_limit=1.0)
+    best["attempts"] = attempts
     return best
 
 
