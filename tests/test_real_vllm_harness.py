@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -104,3 +105,28 @@ def test_omp_bind_env_gives_servers_disjoint_cores() -> None:
     assert all(cores)
     if len(os.sched_getaffinity(0)) >= 2:
         assert not cores[0] & cores[1]
+
+
+@pytest.mark.vllm
+def test_the_model_builder_makes_a_small_model_and_leaves_the_tiny_one_as_it_was(
+    tmp_path: Path,
+) -> None:
+    python, tiny_dir = vllm_paths_from_env()
+    script = Path(__file__).parents[1] / "scripts" / "build_tiny_model.py"
+    small = tmp_path / "small"
+    built = subprocess.run(
+        [python, str(script), "--size", "small", "--out", str(small)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    config = json.loads((small / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (8, 512)
+    assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM CPU's head_dim
+    # The tiny model's parameters did not move: `make vllm` keeps reusing the cached build.
+    again = subprocess.run(
+        [python, str(script), "--out", tiny_dir], capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr
+    assert "reusing" in again.stdout
