@@ -107,9 +107,12 @@ async def calibrate(
             body = requests[index % len(requests)].body
             index += concurrency
             headers = {"Content-Type": "application/json"}
-            async with session.post(url + loadgen.CHAT, data=body, headers=headers) as response:
-                await response.read()
-            done += start <= time.perf_counter() <= stop and response.status == 200
+            try:
+                async with session.post(url + loadgen.CHAT, data=body, headers=headers) as reply:
+                    await reply.read()
+            except aiohttp.ClientError:
+                continue  # a dropped request is not a completed one
+            done += start <= time.perf_counter() <= stop and reply.status == 200
 
     await asyncio.gather(*(client(url, i) for url in urls for i in range(concurrency)))
     await wait_idle(session, urls)
