@@ -160,17 +160,28 @@ def metric(worker: str, sample_name: str) -> float:
 
 
 def test_client_disconnect_aborts_the_generation(gateway: str, backend: Backend) -> None:
-    # A generation of 2000 tokens; the client leaves after 3. If the worker aborts, it stops
+    # A generation of 2000 tokens; the client leaves after 3 lines. If the worker aborts, it stops
     # producing tokens almost at once, so far fewer than 2000 are ever generated.
-    generated_before = metric(backend.url, "vllm:generation_tokens_total")
+    # On two shared cores real vLLM's API server now and then sends nothing until the tiny
+    # model's whole generation (about 2 s) is over, also without the gateway in between: such an
+    # attempt cannot show an abort, so it is made again (5 attempts at most).
     body = chat(backend.model, max_tokens=2000, ignore_eos=True, stream=True)
-    with httpx.stream("POST", gateway + CHAT, json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    deadline = time.monotonic() + 10
-    while metric(backend.url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "worker kept generating for a departed client"
-        time.sleep(0.05)
-    generated = metric(backend.url, "vllm:generation_tokens_total") - generated_before
-    assert generated < 1000
+    late = []
+    for _ in range(5):
+        generated_before = metric(backend.url, "vllm:generation_tokens_total")
+        sent = time.monotonic()
+        with httpx.stream("POST", gateway + CHAT, json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+            left_after = time.monotonic() - sent
+        deadline = time.monotonic() + 10
+        while metric(backend.url, "vllm:num_requests_running") != 0:
+            assert time.monotonic() < deadline, "worker kept generating for a departed client"
+            time.sleep(0.05)
+        generated = metric(backend.url, "vllm:generation_tokens_total") - generated_before
+        if left_after < 0.5:
+            assert generated < 1000
+            return
+        late.append(round(left_after, 2))
+    pytest.fail(f"the first tokens came too late in every attempt: {late} s")
