@@ -175,6 +175,8 @@ class Fleet:
         self.gateway_pid = 0
         self.naive_url = ""
         self.naive_pid = 0
+        self.bare_url = ""
+        self.bare_pid = 0
 
     def _spawn(self, args: list[str], script: str | None = None) -> subprocess.Popen[bytes]:
         argv = [sys.executable, *(["-m", "mineru_gateway"] if script is None else [script]), *args]
@@ -200,6 +202,11 @@ class Fleet:
         self.naive_pid = self._spawn(["--port", str(port), "--workers", workers], naive).pid
         self.naive_url = f"http://127.0.0.1:{port}"
         wait_ok(self.naive_url + "/ready")
+        port = free_port()
+        bare = str(Path(__file__).parent / "routing" / "dp_balancer.py")
+        self.bare_pid = self._spawn(["--port", str(port), "--workers", workers], bare).pid
+        self.bare_url = f"http://127.0.0.1:{port}"
+        wait_ok(self.bare_url + "/ready")
 
     def stop(self) -> None:
         for proc in self.processes:
@@ -247,8 +254,11 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "direct": fleet.worker_urls,
             "gateway": [fleet.gateway_url],
             "naive-httpx": [fleet.naive_url],
+            "bare-proxy": [fleet.bare_url],
         }[mode]
-        proxy_pid = fleet.naive_pid if mode == "naive-httpx" else fleet.gateway_pid
+        proxy_pid = {"naive-httpx": fleet.naive_pid, "bare-proxy": fleet.bare_pid}.get(
+            mode, fleet.gateway_pid
+        )
         cpu_before = process_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
             targets, concurrency, body, args.warmup, args.duration

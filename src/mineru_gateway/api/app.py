@@ -22,7 +22,8 @@ from starlette.routing import Route
 from mineru_gateway import __version__
 from mineru_gateway.api.auth import check_api_key
 from mineru_gateway.api.context import GatewayContext, Lifecycle
-from mineru_gateway.api.relay import PATHS, Relay
+from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
+from mineru_gateway.api.requests import Receive
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker, ShuttingDown
@@ -102,7 +103,30 @@ def build_metrics_registry(
     return registry
 
 
-def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> FastAPI:
+class GatewayApp:
+    """The gateway's ASGI entry point: completions go straight to the relay, the rest to FastAPI.
+
+    Every request and every streamed chunk of a completion would otherwise cross FastAPI's
+    middleware stack (error, exception, telemetry and body-limit layers, each wrapping `send`).
+    The relay handles its own errors, so it needs none of them; measured in
+    benchmarks/results/gateway_overhead.md. Other methods on the relay's paths still reach
+    FastAPI, which answers 405.
+    """
+
+    def __init__(self, api: FastAPI, relays: Mapping[str, Relay]) -> None:
+        self.api = api
+        self.relays = dict(relays)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            relay = self.relays.get(scope["path"])
+            if relay is not None:
+                await relay(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> GatewayApp:
     """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests."""
 
     @asynccontextmanager
@@ -134,11 +158,12 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
             await context.client.close()
 
     app = FastAPI(title="mineru-gateway", version=__version__, lifespan=lifespan)
-    for endpoint, path in PATHS.items():
-        app.router.routes.append(Route(path, Relay(endpoint), methods=["POST"]))
+    relays = {path: Relay(endpoint) for endpoint, path in PATHS.items()}
+    for path, relay in relays.items():
+        app.router.routes.append(Route(path, relay, methods=["POST"]))
     _add_control_routes(app)
     _add_error_handlers(app)
-    return app
+    return GatewayApp(app, relays)
 
 
 def _context(request: Request) -> GatewayContext:

@@ -166,6 +166,12 @@ class Relay:
         except GatewayError as error:
             outcome = error.code
             await exchange.fail(error)
+        except Exception:
+            # The relay's top-level handler (it runs outside FastAPI's): a bug becomes an
+            # OpenAI-style 500 (or an SSE error event mid-stream), logged with its traceback.
+            outcome = "internal_error"
+            log.exception("unhandled_error", request_id=exchange.request_id, path=self.path)
+            await exchange.fail(GatewayError("internal gateway error"))
         finally:
             _record(context, exchange, request, outcome)
 
