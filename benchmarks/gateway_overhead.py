@@ -2,9 +2,12 @@
 the gateway, in the same run, at several concurrencies.
 
 Direct mode is an ideal zero-cost balancer: stream i always goes to worker i % N, so every worker
-carries exactly the same load. Through the gateway, the gateway routes. Reported per concurrency:
-throughput (output tokens/s and requests/s), TTFT p50/p99 and the gateway/direct ratios, plus the
-gateway's CPU time per relayed SSE event (from /proc).
+carries exactly the same load. Through the gateway, the gateway routes. Two other relays run as
+references: `bare-proxy` (the routing benchmark's emulation of vLLM's DP balancer: a raw ASGI app,
+an aiohttp client, no metrics, logs or retries; the floor for a Python relay) and `naive-httpx`
+(FastAPI + httpx + StreamingResponse). Reported per concurrency: throughput (output tokens/s and
+requests/s), TTFT p50/p99 and the ratios against direct, plus each relay's CPU time per relayed
+SSE event and per request (from /proc) and the gateway's CPU against the bare proxy's.
 
     python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
 """
@@ -28,6 +31,7 @@ from typing import Any
 import aiohttp
 
 CHAT = "/v1/chat/completions"
+PROXIES = ("gateway", "bare-proxy", "naive-httpx")
 
 
 def free_port() -> int:
@@ -60,6 +64,7 @@ class RunResult:
     errors: int
     gateway_cpu_s: float | None = None
     gateway_cpu_us_per_event: float | None = None
+    gateway_cpu_us_per_request: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -268,6 +273,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
         if mode != "direct":
             result.gateway_cpu_s = cpu
             result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
+            result.gateway_cpu_us_per_request = cpu / max(1, result.requests) * 1e6
         results.append(result)
         print(format_row(result), flush=True)
         await asyncio.sleep(1.0)  # let workers drain between runs
@@ -293,6 +299,9 @@ def median_run(runs: list[RunResult]) -> RunResult:
 
 
 def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, Any]]:
+    """`proxy` against direct calls, per concurrency (median-throughput runs); its CPU also
+    against the bare proxy's when that mode ran (the cheapest relay: what the gateway's routing,
+    metrics and error handling cost on top)."""
     rows = []
     grouped: dict[tuple[str, int], list[RunResult]] = {}
     for result in results:
@@ -302,6 +311,13 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
         direct, via = by_key.get(("direct", concurrency)), by_key.get((proxy, concurrency))
         if not direct or not via:
             continue
+        bare = by_key.get(("bare-proxy", concurrency))
+        cpu_over_bare = None
+        if bare and bare.gateway_cpu_us_per_event and via.gateway_cpu_us_per_event:
+            # Total CPU over each mode's runs per event: steadier than one run's.
+            cpu_over_bare = _cpu_per_event(grouped[proxy, concurrency]) / _cpu_per_event(
+                grouped["bare-proxy", concurrency]
+            )
         rows.append(
             {
                 "proxy": proxy,
@@ -311,9 +327,15 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
                 "added_ttft_p50_ms": via.ttft_p50_ms - direct.ttft_p50_ms,
                 "added_ttft_p99_ms": via.ttft_p99_ms - direct.ttft_p99_ms,
                 "gateway_cpu_us_per_event": via.gateway_cpu_us_per_event,
+                "gateway_cpu_us_per_request": via.gateway_cpu_us_per_request,
+                "cpu_over_bare_proxy": cpu_over_bare,
             }
         )
     return rows
+
+
+def _cpu_per_event(runs: list[RunResult]) -> float:
+    return sum(r.gateway_cpu_s or 0.0 for r in runs) / max(1, sum(r.events for r in runs))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -322,7 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128, 256]
     )
     parser.add_argument(
-        "--modes", type=lambda s: s.split(","), default=["direct", "gateway", "naive-httpx"]
+        "--modes",
+        type=lambda s: s.split(","),
+        default=["direct", "gateway", "bare-proxy", "naive-httpx"],
     )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="runs per mode, alternating")
@@ -347,13 +371,15 @@ def main(argv: list[str] | None = None) -> None:
         results = uvloop.run(measure(args, fleet))
     finally:
         fleet.stop()
-    summary = compare(results) + compare(results, "naive-httpx")
+    summary = [row for mode in PROXIES for row in compare(results, mode)]
     for row in summary:
+        over_bare = row["cpu_over_bare_proxy"]
         print(
             f"{row['proxy']} c={row['concurrency']}: "
             f"throughput vs direct {row['throughput_ratio']:.3f}, "
             f"added TTFT p50 {row['added_ttft_p50_ms']:+.1f} ms, "
             f"p99 {row['added_ttft_p99_ms']:+.1f} ms"
+            + (f", CPU per event {over_bare:.2f}x the bare proxy's" if over_bare else "")
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

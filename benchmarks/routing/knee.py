@@ -1,12 +1,13 @@
-"""Repeated runs at the knee: TTFT p99 per router over several seeds, with their spread.
+"""Repeated runs near the knee: TTFT p99 per router over several seeds, with their spread.
 
     python -m benchmarks.routing.knee RESULT.json ... [--out FILE.md]
 
-Each RESULT is a suite result made with `--fractions 1.0 --extra 0 --seed N` (any scenarios and
-routers). Runs are grouped by scenario and router across seeds. Single runs at the knee vary by
-about 25%, so one run cannot tell two load-aware routers apart: this gives each router's mean p99
-with a 95% confidence interval (Student's t over seeds) and, per seed, its p99 over the best
-router's in the same run (the same arrivals), which cancels much of the seed-to-seed variation.
+Each RESULT is a suite result made with `--fractions F --extra 0 --seed N` (any scenarios, routers
+and fractions of capacity). Runs are grouped by scenario, fraction and router across seeds. Single
+runs at the knee vary by about 25%, so one run cannot tell two load-aware routers apart: this gives
+each router's mean p99 with a 95% confidence interval (Student's t over seeds) and, per seed, its
+p99 over the best router's in the same run (the same arrivals), which cancels much of the
+seed-to-seed variation.
 """
 
 from __future__ import annotations
@@ -43,18 +44,22 @@ def seed_of(document: dict[str, Any]) -> int:
     return int(found.group(1)) if found else 1
 
 
-def p99_by_seed(documents: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
-    """scenario -> router -> seed -> TTFT p99 (ms) at the knee; unsettled runs are left out."""
-    table: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+Case = tuple[str, float]  # scenario, fraction of capacity
+
+
+def p99_by_seed(documents: Sequence[dict[str, Any]]) -> dict[Case, dict[str, dict[int, float]]]:
+    """(scenario, fraction) -> router -> seed -> TTFT p99 (ms); unsettled runs are left out."""
+    table: dict[Case, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for document in documents:
         seed = seed_of(document)
         for run in document["runs"]:
             p99 = run["ttft_ms"]["p99"]
-            if run["fraction"] == 1.0 and p99 is not None:
-                by_seed = table[run["scenario"]][run["router"]]
+            if p99 is not None:
+                by_seed = table[run["scenario"], run["fraction"]][run["router"]]
                 if seed in by_seed:
                     raise SystemExit(
-                        f"{run['scenario']} / {run['router']} / seed {seed} is in two results"
+                        f"{run['scenario']} at {run['fraction']} K / {run['router']} / seed {seed}"
+                        " is in two results"
                     )
                 by_seed[seed] = float(p99)
     return table
@@ -62,7 +67,7 @@ def p99_by_seed(documents: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict
 
 def summarise(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for scenario, routers in sorted(p99_by_seed(documents).items()):
+    for (scenario, fraction), routers in sorted(p99_by_seed(documents).items()):
         seeds = sorted(set.intersection(*(set(by_seed) for by_seed in routers.values())))
         best = {seed: min(by_seed[seed] for by_seed in routers.values()) for seed in seeds}
         for router, by_seed in sorted(routers.items()):
@@ -73,6 +78,7 @@ def summarise(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "scenario": scenario,
+                    "fraction": fraction,
                     "router": router,
                     "seeds": seeds,
                     "p99_ms": values,
@@ -87,21 +93,52 @@ def summarise(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], commands: Sequence[str], summary: str) -> str:
+def plan_text(documents: Sequence[dict[str, Any]]) -> str:
+    """The runs' time scale, warm-up and window, e.g. '0.8, 40 s warm-up, 8 s measured'."""
+
+    def values(key: str) -> str:
+        found = sorted({float(d["settings"]["plan"][key]) for d in documents})
+        return " or ".join(f"{v:g}" for v in found)
+
+    return (
+        f"simulator time scale {values('time_scale')}, {values('warmup_s')} s warm-up, "
+        f"{values('window_s')} s measured"
+    )
+
+
+def commits_text(documents: Sequence[dict[str, Any]]) -> str:
+    """Which commit made which loads, e.g. 'commit cbfcfc0 (1 K), commit c5c2849 (0.95 K)'."""
+    loads: dict[str, set[float]] = defaultdict(set)
+    for document in documents:
+        commit = str(document.get("git_commit") or "unknown")[:7]
+        loads[commit].update(run["fraction"] for run in document["runs"])
+    return ", ".join(
+        f"commit {commit} ({', '.join(f'{f:g} K' for f in sorted(fractions))})"
+        for commit, fractions in loads.items()
+    )
+
+
+def markdown(
+    rows: Sequence[dict[str, Any]],
+    commands: Sequence[str],
+    summary: str,
+    plan: str,
+    commits: str = "",
+) -> str:
     lines = [
-        "## TTFT p99 at the knee (1.0 K), repeated over seeds",
+        "## TTFT p99 near the knee, repeated over seeds",
         "",
-        "Engine milliseconds (simulator time scale 0.8, 40 s warm-up, 8 s measured). 'Over the "
-        "best router' divides a router's p99 by the lowest p99 of the same seed's run (the same "
-        "arrivals). Confidence intervals are Student's t over the seeds.",
+        f"Engine milliseconds ({plan}). K is the fleet's capacity. 'Over the best router' divides "
+        "a router's p99 by the lowest p99 of the same seed's run (the same arrivals). Confidence "
+        "intervals are Student's t over the seeds." + (f" Made at {commits}." if commits else ""),
         "",
-        "| scenario | router | TTFT p99 per seed (ms) | mean +/- 95% CI (ms) "
+        "| scenario | load | router | TTFT p99 per seed (ms) | mean +/- 95% CI (ms) "
         "| over the best router, per seed | mean +/- 95% CI | best in |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['scenario']} | {row['router']} "
+            f"| {row['scenario']} | {row['fraction']:g} K | {row['router']} "
             f"| {', '.join(f'{v:.0f}' for v in row['p99_ms'])} "
             f"| {row['p99_mean_ms']:.0f} +/- {row['p99_ci95_ms']:.0f} "
             f"| {', '.join(f'{r:.2f}' for r in row['over_best'])} "
@@ -125,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = "python -m benchmarks.routing.knee " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    text = markdown(rows, commands, summary)
+    text = markdown(rows, commands, summary, plan_text(documents), commits_text(documents))
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
