@@ -77,7 +77,7 @@ bench-routing: install vllm-router
 
 ## The same on two real vLLM workers (CPU, small model), text only (about 8 minutes).
 bench-routing-vllm: install small-model
-	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
+	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 		$(BIN)/python -m benchmarks.routing --engine vllm --vllm-model $(SMALL_MODEL) \
 		--vllm-capacity 20 --out benchmarks/results/routing_vllm.json
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mineru_gateway.cli import build_parser, main, settings_from_args
-from tests.support.servers import CliProcess, free_port, wait_http_ok
+from tests.support.servers import CliProcess, free_port, wait_http_ok, wait_until
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -82,9 +82,15 @@ def test_up_serves_through_its_workers_and_stops_them_all_on_ctrl_c(tmp_path: Pa
     proc = up.start(log_path=str(tmp_path / "up.log"))
     gateway = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(gateway + "/ready", 60, proc)
-        workers = httpx.get(gateway + "/v1/workers").json()["workers"]
-        assert [w["state"] for w in workers] == ["healthy", "healthy"]
+        wait_http_ok(gateway + "/ready", 60, proc)  # ready: at least one worker is healthy
+        wait_until(
+            lambda: (
+                [w["state"] for w in httpx.get(gateway + "/v1/workers").json()["workers"]]
+                == ["healthy", "healthy"]
+            ),
+            30,
+            "both workers healthy",
+        )
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         response = httpx.post(gateway + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 200

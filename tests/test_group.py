@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from mineru_gateway.cli import build_parser
 from mineru_gateway.group import default_log_dir, group_options_from_args
 from mineru_gateway.workers.launcher import VllmOptions, build_vllm_command
 from tests.support.ports import free_port_block
-from tests.support.servers import CliProcess, free_port, wait_http_ok
+from tests.support.servers import CliProcess, free_port, wait_http_ok, wait_until
 from tests.support.vllm_server import DEFAULT_ENV, group_pids, vllm_paths_from_env
 
 CHAT = {"messages": [{"role": "user", "content": "\nText Recognition:"}]}
@@ -42,14 +42,6 @@ def pids_with_args(*markers: str) -> list[int]:
         if state != "Z" and all(marker in cmdline for marker in markers):
             found.append(int(entry.name))
     return found
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 class Up:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tests.support.vllm_server import (
     omp_bind_env,
     start_vllm_server,
     vllm_paths_from_env,
+    vllm_python_from_env,
 )
 
 CHAT = "/v1/chat/completions"
@@ -97,6 +99,16 @@ def test_missing_vllm_fails_with_instructions(monkeypatch: pytest.MonkeyPatch) -
         vllm_paths_from_env()
     assert PYTHON_ENV in str(info.value)
     assert "/nonexistent/tiny-qwen2" in str(info.value)
+
+
+def test_the_vllm_python_alone_needs_no_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The routing benchmark brings its own (small) model: only the python is required.
+    monkeypatch.delenv(MODEL_ENV, raising=False)
+    monkeypatch.setenv(PYTHON_ENV, sys.executable)
+    assert vllm_python_from_env() == sys.executable
+    monkeypatch.setenv(PYTHON_ENV, "/nonexistent/python")
+    with pytest.raises(RuntimeError, match="/nonexistent/python is not an executable"):
+        vllm_python_from_env()
 
 
 def test_omp_bind_env_gives_servers_disjoint_cores() -> None:

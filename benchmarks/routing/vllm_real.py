@@ -82,6 +82,21 @@ async def wait_idle(
     raise TimeoutError("vLLM workers not idle")
 
 
+VLLM_DEFAULT_MAX_NUM_SEQS = 16  # vLLM's default on CPU
+
+
+def calibration_clients(server_args: Sequence[str]) -> int:
+    """Clients per worker for `calibrate`: half again the running batch the servers are given
+    (`--max-num-seqs`, 16 by default on CPU), so that a queue always waits."""
+    max_num_seqs = VLLM_DEFAULT_MAX_NUM_SEQS
+    for index, arg in enumerate(server_args):
+        if arg.startswith("--max-num-seqs="):
+            max_num_seqs = int(arg.split("=", 1)[1])
+        elif arg == "--max-num-seqs" and index + 1 < len(server_args):
+            max_num_seqs = int(server_args[index + 1])
+    return max(24, (3 * max_num_seqs + 1) // 2)
+
+
 async def calibrate(
     session: aiohttp.ClientSession,
     urls: Sequence[str],
@@ -92,8 +107,8 @@ async def calibrate(
     window_s: float = 30.0,
 ) -> float:
     """Requests/s both workers complete together when each is kept full: a closed loop of
-    `concurrency` clients per worker, sent straight to it (more than vLLM's 16 running
-    sequences, so a queue always waits). A flood of open-loop arrivals would instead pile up a
+    `concurrency` clients per worker, sent straight to it (more than its running batch holds:
+    `calibration_clients`). A flood of open-loop arrivals would instead pile up a
     backlog that takes minutes to drain on an engine-bound model."""
     requests = [a.request for a in workload.arrivals(mix, seed + 50, 100.0, 60.0)]
     start = time.perf_counter() + warmup_s
@@ -185,7 +200,7 @@ async def one_case(
 
 async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
     support = _load_vllm_support()
-    python, _ = support.vllm_paths_from_env()
+    python = support.vllm_python_from_env()
     model = args.vllm_model
     procs = fleet.Processes(fleet.temp_log_dir())
     servers = [
@@ -200,7 +215,8 @@ async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
             await asyncio.to_thread(server.wait_ready, 240.0)
         urls = [server.url for server in servers]
         async with loadgen.new_session() as session:
-            measured = await calibrate(session, urls, mix, args.seed)
+            clients = calibration_clients(args.vllm_server_arg)
+            measured = await calibrate(session, urls, mix, args.seed, clients)
             print(f"calibration: the two vLLM workers complete {measured:.1f} requests/s")
             # Rates follow a fixed capacity when one is given: the measured one moves by 10-20%
             # from run to run on two shared cores.

@@ -6,14 +6,13 @@ import base64
 import hashlib
 import os
 import threading
-import time
 
 import httpx
 import orjson
 import pytest
 
 from tests.conftest import StartGateway
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread, free_port, wait_until
 from tests.support.workers import DroppingWorker, Script, scripted_worker
 
 CHAT = "/v1/chat/completions"
@@ -21,15 +20,6 @@ CHAT = "/v1/chat/completions"
 
 def chat_body(**extra: object) -> dict[str, object]:
     return {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}], **extra}
-
-
-def wait_until(predicate: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(predicate) and predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def test_body_reaches_worker_byte_for_byte_with_unknown_fields(

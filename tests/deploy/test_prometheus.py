@@ -18,7 +18,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +50,7 @@ from tests.deploy.support import (
     tool,
 )
 from tests.support.npu_smi_stub import install_npu_smi
-from tests.support.servers import ServerThread, serve, wait_http_ok
+from tests.support.servers import ServerThread, serve, wait_http_ok, wait_until
 
 LOAD_S = 12.0
 CONCURRENCY = 8
@@ -79,15 +79,6 @@ class Stack:
             "instance": self.exporter.removeprefix("http://"),
             "npu": "0",
         }
-
-
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if found := condition():
-            return found
-        time.sleep(0.25)
-    raise TimeoutError(f"{what}: not after {timeout_s} s")
 
 
 def targets_up(prometheus: Prometheus, expected: int) -> bool:

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
 import uvicorn
@@ -73,6 +73,21 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
         yield server.start()
     finally:
         server.stop()
+
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float = 5.0, what: str = "condition", poll: float = 0.05
+) -> T:
+    """Polls `condition` until it returns something truthy, and returns that."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(poll)
+    return found
 
 
 def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:

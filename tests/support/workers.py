@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
+import socketserver
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,74 +95,87 @@ async def _stream(script: Script) -> Any:
 class DroppingWorker:
     """A worker that passes health checks but drops every completion request unanswered.
 
-    A raw asyncio server, because an ASGI app cannot close a connection without answering: it
-    stands for a worker that dies after accepting a request (a crash, a kill -9, an OOM).
+    A plain threaded TCP server, because an ASGI app cannot close a connection without answering:
+    it stands for a worker that dies after accepting a request (a crash, a kill -9, an OOM).
+    Threads, not asyncio, on purpose: socketserver closes every accepted socket itself, while an
+    asyncio server stopped right after an accept leaks that socket (Python 3.11: the accept's
+    task finds the server closed), a ResourceWarning the tests treat as an error (seen in CI).
     """
 
     def __init__(self, model: str = "echo-model") -> None:
         self.model = model
         self.dropped = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._server: asyncio.Server | None = None
         self.url = ""
+        self._stopping = threading.Event()
+        self._server = _ThreadingServer(("127.0.0.1", 0), _dropping_handler(self))
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     def start(self) -> str:
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread.start()
-        self._ready.wait(10)
         return self.url
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._stopping.set()  # open keep-alive connections end within one read timeout
+        self._server.shutdown()
+        self._server.server_close()  # joins the connections' threads
         self._thread.join(10)
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0)
+    def answer(self, head: bytes) -> bytes | None:
+        """The response to a request whose head is `head`; None drops the connection."""
+        path = head.split(b" ", 2)[1]
+        if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
+            self.dropped += 1
+            return None
+        payload = b""
+        if path == b"/v1/models":
+            card = {"id": self.model, "object": "model", "owned_by": "vllm"}
+            payload = orjson.dumps({"object": "list", "data": [card]})
+        return (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + b"content-length: %d\r\n\r\n" % len(payload)
+            + payload
         )
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        self._ready.set()
-        self._loop.run_forever()
-        self._server.close()
-        # One turn first: a connection accepted just before the stop has a handler task that has
-        # not started yet, and a task cancelled before it starts never reaches its `finally`, so
-        # its socket would be left open (a ResourceWarning, which the tests treat as an error).
-        self._loop.run_until_complete(asyncio.sleep(0))
-        pending = asyncio.all_tasks(self._loop)
-        for task in pending:
-            task.cancel()
-        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self._loop.run_until_complete(self._server.wait_closed())
-        self._loop.run_until_complete(asyncio.sleep(0))  # the closed transports' last callbacks
-        self._loop.close()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                path = head.split(b" ", 2)[1]
-                length = _content_length(head)
-                if length:
-                    await reader.readexactly(length)
-                if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
-                    self.dropped += 1
+
+class _ThreadingServer(socketserver.ThreadingTCPServer):
+    daemon_threads = False
+    block_on_close = True  # server_close() waits for every connection's thread
+    allow_reuse_address = True
+
+
+def _dropping_handler(worker: DroppingWorker) -> type[socketserver.BaseRequestHandler]:
+    class Connection(socketserver.BaseRequestHandler):
+        """Keep-alive HTTP/1.1 requests, one at a time; returning closes the socket."""
+
+        def handle(self) -> None:
+            sock: socket.socket = self.request
+            sock.settimeout(0.05)
+            buffer = b""
+            while not worker._stopping.is_set():
+                try:
+                    data = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
                     return
-                payload = b""
-                if path == b"/v1/models":
-                    card = {"id": self.model, "object": "model", "owned_by": "vllm"}
-                    payload = orjson.dumps({"object": "list", "data": [card]})
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    + b"content-length: %d\r\n\r\n" % len(payload)
-                    + payload
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+                if not data:
+                    return
+                buffer += data
+                while (end := buffer.find(b"\r\n\r\n")) >= 0:
+                    head = buffer[:end]
+                    request_end = end + 4 + _content_length(head)
+                    if len(buffer) < request_end:
+                        break  # the body is still coming
+                    buffer = buffer[request_end:]
+                    response = worker.answer(head)
+                    if response is None:
+                        return
+                    sock.sendall(response)
+
+    return Connection
 
 
 def _content_length(head: bytes) -> int:

@@ -1,4 +1,5 @@
-"""The repeated-knee summary (`python -m benchmarks.routing.knee`) on hand-made suite results."""
+"""Helpers of the routing benchmark: the repeated-knee summary (`python -m benchmarks.routing.knee`)
+on hand-made suite results, and the real-vLLM check's calibration size."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks.routing import knee
+from benchmarks.routing import knee, vllm_real
 
 P99 = dict[tuple[float, str], float]  # (fraction of capacity, router) -> TTFT p99 in ms
 
@@ -79,3 +80,18 @@ def test_the_table_names_the_plan_and_the_commands(tmp_path: Path) -> None:
     assert "| c_direct_traffic | 1 K | queue | 100, 100 | 100 +/- 0 |" in text
     assert "suite --seed 3" in text and "suite --seed 4" in text
     assert json.loads(out.with_suffix(".json").read_text())[0]["router"] == "queue"
+
+
+@pytest.mark.parametrize(
+    ("server_args", "clients"),
+    [
+        ([], 24),  # vLLM's default batch of 16 on CPU, and a queue of 8
+        (["--max-num-seqs=4"], 24),
+        (["--max-num-seqs", "32"], 48),
+        (["--enforce-eager", "--max-num-seqs=33"], 50),
+    ],
+)
+def test_calibration_keeps_more_clients_per_worker_than_its_batch_holds(
+    server_args: list[str], clients: int
+) -> None:
+    assert vllm_real.calibration_clients(server_args) == clients
