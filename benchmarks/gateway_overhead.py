@@ -311,13 +311,9 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
         direct, via = by_key.get(("direct", concurrency)), by_key.get((proxy, concurrency))
         if not direct or not via:
             continue
-        bare = by_key.get(("bare-proxy", concurrency))
-        cpu_over_bare = None
-        if bare and bare.gateway_cpu_us_per_event and via.gateway_cpu_us_per_event:
-            # Total CPU over each mode's runs per event: steadier than one run's.
-            cpu_over_bare = _cpu_per_event(grouped[proxy, concurrency]) / _cpu_per_event(
-                grouped["bare-proxy", concurrency]
-            )
+        # Total CPU per event over each mode's runs: steadier than one run's.
+        bare_cpu = _cpu_per_event(grouped.get(("bare-proxy", concurrency), []))
+        cpu_over_bare = _cpu_per_event(grouped[proxy, concurrency]) / bare_cpu if bare_cpu else None
         rows.append(
             {
                 "proxy": proxy,

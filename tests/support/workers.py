@@ -106,7 +106,8 @@ class DroppingWorker:
         self.model = model
         self.dropped = 0
         self.url = ""
-        self._stopping = threading.Event()
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()  # connections run in threads of their own
         self._server = _ThreadingServer(("127.0.0.1", 0), _dropping_handler(self))
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -118,7 +119,7 @@ class DroppingWorker:
         return self.url
 
     def stop(self) -> None:
-        self._stopping.set()  # open keep-alive connections end within one read timeout
+        self.stopping.set()  # open keep-alive connections end within one read timeout
         self._server.shutdown()
         self._server.server_close()  # joins the connections' threads
         self._thread.join(10)
@@ -127,7 +128,8 @@ class DroppingWorker:
         """The response to a request whose head is `head`; None drops the connection."""
         path = head.split(b" ", 2)[1]
         if path.startswith(b"/v1/completions") or path.startswith(b"/v1/chat"):
-            self.dropped += 1
+            with self._lock:
+                self.dropped += 1
             return None
         payload = b""
         if path == b"/v1/models":
@@ -154,7 +156,7 @@ def _dropping_handler(worker: DroppingWorker) -> type[socketserver.BaseRequestHa
             sock: socket.socket = self.request
             sock.settimeout(0.05)
             buffer = b""
-            while not worker._stopping.is_set():
+            while not worker.stopping.is_set():
                 try:
                     data = sock.recv(65536)
                 except TimeoutError:
