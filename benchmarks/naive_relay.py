@@ -1,6 +1,6 @@
 """The baseline the gateway's relay is chosen against: FastAPI + httpx, `client.send(stream=True)`.
 
-The plain relay most Python LLM routers start from (DESIGN.md section 9), round-robin over the
+The plain relay most Python LLM routers start from (docs/proxy-costs.md), round-robin over the
 workers, run on the same uvicorn/uvloop/httptools stack as the gateway. Benchmark use only.
 
     python benchmarks/naive_relay.py --port 31000 --workers http://127.0.0.1:30001,...

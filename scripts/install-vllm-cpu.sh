@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs real vLLM (CPU build) into its own virtualenv, for the end-to-end tests (DESIGN.md section 7).
+# Installs real vLLM (CPU build) into its own virtualenv, for the end-to-end tests
+# (docs/running-locally.md).
 # Idempotent: a finished install leaves a stamp file and is reused (it takes minutes and 3.5 GB).
 set -euo pipefail
 

@@ -14,7 +14,7 @@ from mineru_gateway.config import GatewaySettings
 from tests.support.servers import serve
 from tests.support.workers import Script, scripted_worker
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 StartGateway = Callable[..., str]
 StartSim = Callable[..., str]

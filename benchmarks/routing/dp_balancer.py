@@ -1,7 +1,7 @@
 """vLLM's own data-parallel load balancer, emulated as a small proxy in front of N workers.
 
 What is emulated (vLLM V1 `DPLBAsyncMPClient.get_core_engine_for_request` and the DP coordinator,
-as in v0.10.x-0.11, the releases behind the seed's vllm-ascend images; DESIGN.md section 3):
+as in v0.10.x-0.11, the releases behind the seed's vllm-ascend images; docs/vllm.md):
 - A coordinator publishes every engine's `[waiting, running]` counts every
   `stats_update_interval_ms` = 100 ms while they change. Here a poller reads each worker's
   `vllm:num_requests_waiting` and `vllm:num_requests_running` from `/metrics` every `--interval`
@@ -16,7 +16,7 @@ Not emulated: newer releases' in-flight floor and KV-usage term, rotation of the
 than one API server, and the coordinator's 5 s republish of unchanged counts (under load the counts
 always change). vLLM does this in-process over ZMQ; here it costs one HTTP hop, like any external
 router, and the relay is a raw ASGI app with an aiohttp client (the cheapest Python relay measured
-in DESIGN.md section 9).
+in docs/proxy-costs.md).
 
     python -m benchmarks.routing.dp_balancer --port 31000 --workers http://a:1,http://b:2
 """

@@ -1,8 +1,8 @@
 """An open-loop load generator: Poisson arrivals, streaming requests, vLLM bench's definitions.
 
 Each request is sent at its scheduled time whatever happened to earlier ones (open loop: a slow
-router gets the same arrivals as a fast one). Measured as `vllm bench serve` does (DESIGN.md
-section 3): TTFT from just before the request is sent to the first streamed chunk carrying content,
+router gets the same arrivals as a fast one). Measured as `vllm bench serve` does (docs/vllm.md):
+TTFT from just before the request is sent to the first streamed chunk carrying content,
 E2E from the same start to the last byte. The generator's own lag, the time between a request's
 scheduled and actual send, is recorded, so a run where the generator fell behind is visible.
 

@@ -137,17 +137,10 @@ class Plan:
 
 
 def gateway_policies() -> list[str]:
-    """Routing policies the gateway in this tree accepts (settings and `make_policy`)."""
-    from mineru_gateway import config, routing
+    """Routing policies the gateway in this tree accepts (one list: `routing.POLICY_NAMES`)."""
+    from mineru_gateway import routing
 
-    names = []
-    for name in typing.get_args(config.RoutingPolicyName):
-        try:
-            routing.make_policy(name)
-        except ValueError:
-            continue
-        names.append(name)
-    return names
+    return list(routing.POLICY_NAMES)
 
 
 def gateway_defaults() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A MinerU-like request stream: pages of one layout request and many block requests, seeded.
 
-Per page (DESIGN.md section 5): one layout request on the page image resized to 1036x1036 (1369
+Per page (docs/mineru-client.md): one layout request on the page image resized to 1036x1036 (1369
 visual tokens, long output), then `blocks_per_page` block requests on small crops (Text, Formula
 or Table Recognition, short outputs), and now and then a text-only request. Output lengths are
 drawn here, from the simulator's own per-kind length models, and forced with

@@ -11,10 +11,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-RoutingPolicyName = Literal["queue", "p2c", "least_inflight", "round_robin"]
+from mineru_gateway.routing import RoutingPolicyName
+
 LogFormat = Literal["json", "console"]
 
-DEFAULT_PORT = 30000  # the port MinerU's clients already use (DESIGN.md section 5)
+DEFAULT_PORT = 30000  # the port MinerU's clients already use (docs/mineru-client.md)
 MIB = 1024 * 1024
 
 

@@ -1,22 +1,30 @@
 """Every error the gateway reports, and how each becomes an OpenAI-style body and status.
 
-    GatewayError                      500 internal_error
-    ├── InvalidRequest                400 invalid_request_error   (bad JSON, bad shape)
-    ├── AuthenticationFailed          401 authentication_error
-    ├── ModelNotFound                 404 model_not_found
-    ├── RequestTooLarge               413 request_too_large
-    └── UpstreamError                 502 upstream_error          (a worker failed us)
-        ├── NoHealthyWorker           503 no_healthy_worker
-        ├── ShuttingDown              503 shutting_down           (draining before exit)
-        ├── UpstreamConnectError      502 upstream_connect_error   (nothing was sent: retry safe)
-        └── UpstreamTimeout           504 upstream_timeout
+    GatewayError                      500  internal_error / internal_error
+    ├── InvalidRequest                400  invalid_request_error / invalid_request
+    ├── AuthenticationFailed          401  authentication_error / invalid_api_key
+    ├── ModelNotFound                 404  invalid_request_error / model_not_found
+    ├── RequestTooLarge               413  invalid_request_error / request_too_large
+    ├── Overloaded                    429  rate_limit_error / <why>: flow control shed it
+    │                                      (queue_full, tenant_queue_full, queue_timeout, ...)
+    └── UpstreamError                 502  upstream_error / upstream_error (a worker failed us)
+        ├── UpstreamConnectError      502  upstream_error / upstream_connect_error
+        │                                  (nothing was sent: retry safe)
+        ├── UpstreamTimeout           504  upstream_error / upstream_timeout
+        └── NoHealthyWorker           503  service_unavailable / no_healthy_worker
+            └── ShuttingDown          503  service_unavailable / shutting_down (draining)
 
-Bodies follow OpenAI: `{"error": {"message", "type", "param", "code"}}`. Worker answers that carry
-their own status (a vLLM 400, say) are not GatewayErrors: they are relayed as they came.
+Each row reads status, `type` / `code`: `type` is the broad class a client can switch on (OpenAI's
+SDKs map the status to an exception), `code` the specific reason. Bodies follow OpenAI:
+`{"error": {"message", "type", "param", "code"}}`. Errors that tell the client when to come back
+(429, 503) carry `Retry-After`, which MinerU's client honours (docs/mineru-client.md). Worker
+answers that carry their own status (a vLLM 400, say) are not GatewayErrors: they are relayed as
+they came.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import orjson
@@ -27,10 +35,18 @@ class GatewayError(Exception):
     type: ClassVar[str] = "internal_error"
     code: ClassVar[str] = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def reason(self) -> str:
+        """The error's code, as outcome labels and logs name it."""
+        return self.code
 
     def body(self) -> dict[str, Any]:
         return {
@@ -38,12 +54,18 @@ class GatewayError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code,
+                "code": self.reason,
             }
         }
 
     def body_bytes(self) -> bytes:
         return orjson.dumps(self.body())
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Extra response headers: `Retry-After` (whole seconds, at least 1) when known."""
+        if self.retry_after_s is None:
+            return []
+        return [(b"retry-after", str(max(1, math.ceil(self.retry_after_s))).encode())]
 
 
 class InvalidRequest(GatewayError):
@@ -68,6 +90,22 @@ class RequestTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class Overloaded(GatewayError):
+    """Shed by flow control: a queue is full, or the request waited too long in it."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, why: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.why = why
+
+    @property
+    def reason(self) -> str:
+        return self.why
 
 
 class UpstreamError(GatewayError):

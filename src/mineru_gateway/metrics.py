@@ -1,9 +1,9 @@
 """The gateway's Prometheus metrics, on the app's own registry.
 
 Names follow Prometheus conventions under `mineru_gateway_` and never reuse vLLM's `vllm:` names,
-so gateway and worker series cannot collide (DESIGN.md section 8, item 6). Latencies follow
-`vllm bench serve`'s definitions (DESIGN.md section 3), measured at the gateway: TTFT is send to
-the first streamed chunk, ITL every gap between chunks, E2E send to the last byte.
+so gateway and worker series cannot collide (docs/architecture.md, peer complaints, item 6).
+Latencies follow `vllm bench serve`'s definitions (docs/vllm.md), measured at the gateway: TTFT is
+send to the first streamed chunk, ITL every gap between chunks, E2E send to the last byte.
 
 Recording must cost the hot path nothing measurable: every token of every stream crosses the relay.
 So counters and histograms here are plain Python numbers updated without locks (everything runs on
@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -261,10 +260,3 @@ def _worker_families(workers: list[WorkerGauges]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([worker.worker], value)
         yield family
-
-
-def build_registry(collector: Collector, *extra: Collector) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    for item in (collector, *extra):
-        registry.register(item)
-    return registry

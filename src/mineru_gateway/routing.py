@@ -25,7 +25,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
+
+RoutingPolicyName = Literal["queue", "p2c", "least_inflight", "round_robin"]
+POLICY_NAMES: tuple[RoutingPolicyName, ...] = get_args(RoutingPolicyName)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +53,7 @@ class WorkerView:
     own_cost: float = 0.0  # estimated cost of this gateway's in-flight requests on the worker
     reported: ReportedLoad | None = None
     slowness: float = 1.0  # the worker's pace relative to its peers (2.0: half speed)
+    batch_limit: int | None = None  # its running batch's size (max_num_seqs), when known
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -170,9 +174,6 @@ def _lowest(
     best = min(value for value, _ in scored)
     # Relative tolerance: float noise must not defeat random tie-breaking.
     return rng.choice([view for value, view in scored if value <= best * (1 + 1e-9)])
-
-
-POLICY_NAMES = ("queue", "p2c", "least_inflight", "round_robin")
 
 
 def make_policy(name: str, model: LoadModel | None = None) -> RoutingPolicy:

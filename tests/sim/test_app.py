@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mineru_gateway.sim import SimConfig, create_sim_app
 from tests.support.servers import serve
 
-FIXTURES = Path(__file__).parents[3] / "shared" / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 CONFIG = SimConfig(model_name="tiny", max_model_len=2048, kv_cache_tokens=65536, time_scale=0.01)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -163,7 +163,7 @@ def png_data_url(width: int, height: int) -> str:
 
 
 async def test_a_mineru_layout_request(client: httpx.AsyncClient) -> None:
-    """What mineru-vl-utils' http client sends (DESIGN.md section 5)."""
+    """What mineru-vl-utils' http client sends (docs/mineru-client.md)."""
     user = [
         {"type": "image_url", "image_url": {"url": png_data_url(1036, 1036)}},
         {"type": "text", "text": "\nLayout Detection:"},

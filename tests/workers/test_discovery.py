@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mineru_gateway.cost import CostModel
 from mineru_gateway.routing import RoundRobin
 from mineru_gateway.workers.discovery import DnsDiscovery, DnsTarget
-from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
 
@@ -38,9 +37,7 @@ async def test_a_failed_lookup_keeps_the_workers_it_had() -> None:
             [],
             client,
             RoundRobin(),
-            health_interval_s=60,
-            health_timeout_s=0.5,
-            cost_model=CostModel(),
+            HealthPolicy(interval_s=60, timeout_s=0.5),
         )
         discovery = DnsDiscovery(registry, ["http://localhost:9"], interval_s=60)
         await discovery.refresh()

@@ -6,7 +6,7 @@ import pytest
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import RoundRobin
-from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 from tests.support.workers import Script
 
@@ -21,10 +21,8 @@ def registry_of(
         list(urls),
         client or UpstreamClient(Timeouts(1, 1, 1)),
         RoundRobin(),
-        health_interval_s=60,
-        health_timeout_s=health_timeout_s,
+        HealthPolicy(interval_s=60, timeout_s=health_timeout_s, slow_probes_to_eject=3),
         pace_weighting=pace_weighting,
-        slow_probes_to_eject=3,
     )
 
 

@@ -13,7 +13,7 @@ import orjson
 import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -21,13 +21,13 @@ from starlette.routing import Route
 
 from mineru_gateway import __version__
 from mineru_gateway.api.auth import check_api_key
-from mineru_gateway.api.context import GatewayContext, Lifecycle
+from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker, ShuttingDown
-from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, build_registry
+from mineru_gateway.metrics import GatewayCollector, GatewayMetrics
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.telemetry import (
     NpuSmiSource,
@@ -36,7 +36,7 @@ from mineru_gateway.telemetry import (
     register_npu_metrics,
 )
 from mineru_gateway.workers.discovery import DnsDiscovery
-from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
 log = structlog.get_logger("mineru_gateway.app")
@@ -60,27 +60,31 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         settings.workers,
         client,
         make_policy(settings.routing_policy, load_model),
-        health_interval_s=settings.health_interval_s,
-        health_timeout_s=settings.health_timeout_s,
+        HealthPolicy(
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+            eject_after=settings.eject_after,
+            slow_probes_to_eject=settings.slow_probes_to_eject,
+        ),
         load_interval_s=settings.load_interval_s,
         pace_weighting=settings.pace_weighting,
-        eject_after=settings.eject_after,
-        slow_probes_to_eject=settings.slow_probes_to_eject,
-        cost_model=CostModel(
-            prefill_weight=settings.prefill_weight,
-            decode_weight=settings.decode_weight,
-            default_decode_tokens=settings.default_decode_tokens,
-        ),
         metrics=metrics,
         rng=random.Random(),
     )
-    return GatewayContext(
+    cost_model = CostModel(
+        prefill_weight=settings.prefill_weight,
+        decode_weight=settings.decode_weight,
+        default_decode_tokens=settings.default_decode_tokens,
+    )
+    context = GatewayContext(
         settings=settings,
         client=client,
         registry=registry,
+        cost_model=cost_model,
         metrics=metrics,
         lifecycle=lifecycle or Lifecycle(),
     )
+    return context
 
 
 def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
@@ -91,16 +95,14 @@ def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
     return NpuTelemetry(source, interval_s=settings.npu_smi_interval_s, device_workers=devices)
 
 
-def build_metrics_registry(
-    context: GatewayContext, telemetry: NpuTelemetry | None
-) -> CollectorRegistry:
+def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) -> None:
+    """Registers the gateway's (and the NPUs') collectors on the context's own registry."""
     collector = GatewayCollector(
         context.metrics, context.registry.gauges, context.settings.routing_policy
     )
-    registry = build_registry(collector)
+    context.metrics_registry.register(collector)
     if telemetry is not None:
-        register_npu_metrics(registry, telemetry)
-    return registry
+        register_npu_metrics(context.metrics_registry, telemetry)
 
 
 class GatewayApp:
@@ -133,7 +135,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         context = build_context(settings, lifecycle)
         telemetry = build_telemetry(settings)
-        metrics_registry = build_metrics_registry(context, telemetry)
+        register_metrics(context, telemetry)
         discovery = DnsDiscovery(
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
@@ -149,7 +151,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
             policy=settings.routing_policy,
         )
         try:
-            yield {"gateway": context, "metrics_registry": metrics_registry}
+            yield context.lifespan_state()
         finally:
             if telemetry is not None:
                 await telemetry.stop()
@@ -167,8 +169,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
 
 
 def _context(request: Request) -> GatewayContext:
-    context: GatewayContext = request.state.gateway
-    return context
+    return gateway_context(request.scope)
 
 
 def _add_control_routes(app: FastAPI) -> None:
@@ -200,7 +201,7 @@ def _add_control_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
-        registry: CollectorRegistry = request.state.metrics_registry
+        registry = _context(request).metrics_registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/workers", dependencies=[Depends(_authorized)])
@@ -241,7 +242,8 @@ def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None
 
 
 def _error_response(error: GatewayError) -> Response:
-    return _json(error.body(), error.status)
+    headers = {name.decode(): value.decode() for name, value in error.headers()}
+    return _json(error.body(), error.status, headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -2,7 +2,7 @@
 
 It sits below FastAPI's request/response machinery on purpose: every streamed token crosses this
 code, and a raw ASGI relay costs less per event than a framework route with StreamingResponse
-(DESIGN.md section 9). It also gives exact control over what users of other gateways complain
+(docs/proxy-costs.md). It also gives exact control over what users of other gateways complain
 about most: a client that goes away cancels the upstream request at once (streaming or not,
 before or after the first token), and every counter is released in `finally`.
 
@@ -25,8 +25,9 @@ from typing import Any
 import orjson
 import structlog
 
+from mineru_gateway.api.accounting import ExchangeRecord, account
 from mineru_gateway.api.auth import check_api_key, upstream_authorization
-from mineru_gateway.api.context import GatewayContext
+from mineru_gateway.api.context import GatewayContext, gateway_context
 from mineru_gateway.api.requests import (
     ClientDisconnected,
     Endpoint,
@@ -43,7 +44,7 @@ from mineru_gateway.errors import (
     UpstreamTimeout,
 )
 from mineru_gateway.metrics import GatewayMetrics, Series
-from mineru_gateway.workers.registry import Lease
+from mineru_gateway.workers.registry import SUCCESS, Lease, Outcome
 from mineru_gateway.workers.upstream import UpstreamResponse
 
 Scope = MutableMapping[str, Any]
@@ -58,7 +59,7 @@ USAGE_MARKER = b'"usage":{'
 
 
 class Exchange:
-    """One client exchange: what has been sent, to whom and when (for errors, logs, metrics)."""
+    """Writes one client exchange and remembers what went out, to whom and when."""
 
     def __init__(self, send: Send, request_id: str, endpoint: Endpoint) -> None:
         self._send = send
@@ -78,13 +79,17 @@ class Exchange:
         self.usage: dict[str, Any] | None = None
         self._itl: Series | None = None
 
-    async def start(self, status: int, content_type: str) -> None:
+    async def start(
+        self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self.status = status
         self.streaming = content_type.startswith("text/event-stream")
         headers = [
             (b"content-type", content_type.encode("latin-1")),
             (b"x-request-id", self.request_id.encode("latin-1")),
         ]
+        if extra:
+            headers.extend(extra)
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
@@ -118,22 +123,49 @@ class Exchange:
         if self.complete:
             return
         if self.status is None:
-            await self.respond(error.status, "application/json", error.body_bytes())
+            await self.start(error.status, "application/json", error.headers())
+            await self.finish(error.body_bytes())
         elif self.streaming:
             event = b"data: " + error.body_bytes() + b"\n\ndata: [DONE]\n\n"
             await self.finish(event)
         else:
             await self.finish()
 
+    def record(
+        self, request: ParsedRequest | None, outcome: str, **admission: Any
+    ) -> ExchangeRecord:
+        """The finished exchange, for accounting; `admission` adds what flow control decided."""
+        usage = self.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        return ExchangeRecord(
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            outcome=outcome,
+            received=self.received,
+            ended=time.perf_counter(),
+            model=request.model if request else None,
+            stream=request.stream if request else None,
+            cost=request.cost if request else None,
+            worker=self.worker,
+            attempts=self.attempts,
+            status=self.status,
+            streaming=self.streaming,
+            first_chunk=self.first_chunk,
+            finished=self.finished,
+            completion_tokens=completion if isinstance(completion, int) else self.tokens,
+            prompt_tokens=prompt if isinstance(prompt, int) else None,
+            **admission,
+        )
+
 
 class _Retry(Exception):
     """The attempt failed before any byte reached the client: another worker may take it."""
 
-    def __init__(self, reason: str, error: UpstreamError, *, eject_now: bool) -> None:
+    def __init__(self, reason: str, error: UpstreamError) -> None:
         super().__init__(str(error))
         self.reason = reason
         self.error = error
-        self.eject_now = eject_now
 
 
 class Relay:
@@ -144,7 +176,7 @@ class Relay:
         self.path = PATHS[endpoint]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        context: GatewayContext = scope["state"]["gateway"]
+        context = gateway_context(scope)
         headers = dict(scope["headers"])
         exchange = Exchange(send, _request_id(headers), self.endpoint)
         request: ParsedRequest | None = None
@@ -164,7 +196,7 @@ class Relay:
         except ClientDisconnected:
             outcome = "client_disconnected"
         except GatewayError as error:
-            outcome = error.code
+            outcome = error.reason
             await exchange.fail(error)
         except Exception:
             # The relay's top-level handler (it runs outside FastAPI's): a bug becomes an
@@ -173,7 +205,7 @@ class Relay:
             log.exception("unhandled_error", request_id=exchange.request_id, path=self.path)
             await exchange.fail(GatewayError("internal gateway error"))
         finally:
-            _record(context, exchange, request, outcome)
+            account(context.metrics, context.cost_model, exchange.record(request, outcome))
 
     async def _proxy(
         self,
@@ -183,7 +215,7 @@ class Relay:
         exchange: Exchange,
     ) -> None:
         registry = context.registry
-        cost = registry.cost_model.estimate(request.cost)
+        cost = context.cost_model.estimate(request.cost)
         tried: list[str] = []
         while True:
             worker = registry.choose(request.model, exclude=tried)
@@ -193,9 +225,6 @@ class Relay:
                 try:
                     await self._attempt(context, lease, request, headers, exchange)
                 except _Retry as failure:
-                    registry.record_failure(
-                        worker, failure.reason, str(failure), at_once=failure.eject_now
-                    )
                     if len(tried) > context.settings.max_retries:
                         raise failure.error from None
                     context.metrics.retries.inc(failure.reason)
@@ -217,29 +246,33 @@ class Relay:
                 exchange.upstream_sent - exchange.received
             )
         upstream: UpstreamResponse | None = None
+        outcome: Outcome | None = SUCCESS  # None: the attempt says nothing about the worker
         try:
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
             await _relay_response(upstream, exchange, context.metrics, request, lease)
-        except UpstreamTimeout:
-            raise  # the worker is alive but slow: another would not be faster
+            if upstream.status >= 500:
+                outcome = Outcome.failed("status_5xx", f"answered {upstream.status}")
+        except (UpstreamTimeout, asyncio.CancelledError):
+            # A slow worker is alive (another would not be faster); a client that went away
+            # says nothing about the worker.
+            outcome = None
+            raise
         except UpstreamConnectError as error:
-            raise _Retry("connect_error", error, eject_now=True) from None
+            outcome = Outcome.failed("connect_error", str(error), eject_now=True)
+            raise _Retry("connect_error", error) from None
         except UpstreamError as error:
             if exchange.status is None:
                 # A dropped connection before any answer: a dead worker, or a keep-alive
                 # connection it had closed. Nothing reached the client; try another worker.
-                raise _Retry("upstream_disconnect", error, eject_now=False) from None
-            context.registry.record_failure(worker, "stream_broken", str(error), at_once=False)
+                outcome = Outcome.failed("upstream_disconnect", str(error))
+                raise _Retry("upstream_disconnect", error) from None
+            outcome = Outcome.failed("stream_broken", str(error))
             raise
         finally:
             if upstream is not None:
                 upstream.close()
-        if upstream.status >= 500:
-            context.registry.record_failure(
-                worker, "status_5xx", f"answered {upstream.status}", at_once=False
-            )
-        else:
-            context.registry.record_success(worker)
+            if outcome is not None:
+                context.registry.report(worker, outcome)
 
 
 async def _relay_response(
@@ -317,39 +350,6 @@ def _stream_usage(data: bytes) -> dict[str, Any] | None:
     return None
 
 
-def _record(
-    context: GatewayContext, exchange: Exchange, request: ParsedRequest | None, outcome: str
-) -> None:
-    metrics = context.metrics
-    # Unknown model names stay out of the labels: clients must not be able to grow the series.
-    model = (request.model or "") if request and outcome != "model_not_found" else ""
-    worker = exchange.worker or ""
-    status = str(exchange.status) if exchange.status is not None else "499"
-    metrics.requests.inc(exchange.endpoint, model, worker, status, outcome)
-    if exchange.finished is not None and outcome == "ok":
-        metrics.e2e.series(model, worker).observe(exchange.finished - exchange.received)
-    if exchange.streaming and exchange.first_chunk is not None:
-        metrics.ttft.series(model, worker).observe(exchange.first_chunk - exchange.received)
-    completion = _completion_tokens(exchange)
-    if exchange.usage is not None:
-        prompt = exchange.usage.get("prompt_tokens")
-        if isinstance(prompt, int):
-            metrics.prompt_tokens.inc(model, worker, amount=prompt)
-    if completion:
-        metrics.completion_tokens.inc(model, worker, amount=completion)
-    if request is not None and outcome == "ok" and exchange.status == 200:
-        context.registry.cost_model.learn(request.cost, completion)
-    _log_exchange(exchange, request, outcome)
-
-
-def _completion_tokens(exchange: Exchange) -> int:
-    if exchange.usage is not None:
-        tokens = exchange.usage.get("completion_tokens")
-        if isinstance(tokens, int):
-            return tokens
-    return exchange.tokens
-
-
 def _request_id(headers: dict[bytes, bytes]) -> str:
     given = headers.get(b"x-request-id")
     if given and len(given) <= 128:
@@ -370,20 +370,3 @@ def _upstream_headers(
     if authorization:
         forwarded["Authorization"] = authorization
     return forwarded
-
-
-def _log_exchange(exchange: Exchange, request: ParsedRequest | None, outcome: str) -> None:
-    now = time.perf_counter()
-    ttft = exchange.first_chunk - exchange.received if exchange.first_chunk else None
-    log.info(
-        "request",
-        request_id=exchange.request_id,
-        model=request.model if request else None,
-        stream=request.stream if request else None,
-        worker=exchange.worker,
-        attempts=exchange.attempts,
-        status=exchange.status,
-        outcome=outcome,
-        latency_ms=round((now - exchange.received) * 1000, 2),
-        ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
-    )

@@ -1,7 +1,8 @@
 """The simulator's settings: one frozen dataclass whose defaults describe one Ascend 910B (Atlas A2)
 serving MinerU2.5-2509-1.2B with vLLM-Ascend, and the CLI flags that fill it.
 
-Where the defaults come from (DESIGN.md sections 3-5 unless said otherwise):
+Where the defaults come from (docs/vllm.md, docs/vllm-ascend.md and docs/mineru-client.md unless
+said otherwise):
 
 - Throughput anchor: the MinerU2.5 paper measured 2.12 pages/s and 2337 output tokens/s on one
   A100 with vLLM (OmniDocBench, about 1100 output tokens per page). No 910B figure is published; a
@@ -19,7 +20,7 @@ Where the defaults come from (DESIGN.md sections 3-5 unless said otherwise):
   decoder (~6 GFLOP) at ~150 TFLOPS effective; a 1036x1036 layout page (1369 visual tokens) takes
   ~55 ms of prefill. Text tokens are charged the same (they are few in MinerU prompts).
 - `max_num_seqs` 128, `max_num_batched_tokens` 16384, `block_size` 128: the typical VLM flags on
-  Atlas A2 (DESIGN.md section 4) and vLLM-Ascend's KV block size.
+  Atlas A2 (docs/vllm-ascend.md) and vLLM-Ascend's KV block size.
 - `max_model_len` 16384: assumed MinerU2.5's context length as served by `mineru-vllm-server`.
 - `kv_cache_tokens` 262144 (128 x 2048): chosen so a full batch of 128 layout requests (~1400
   prompt plus ~600 output tokens on average) approaches it, so KV pressure and preemption appear

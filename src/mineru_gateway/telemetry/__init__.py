@@ -1,4 +1,4 @@
-"""NPU telemetry: `npu-smi` readings exported as Prometheus metrics (DESIGN.md section 6).
+"""NPU telemetry: `npu-smi` readings exported as Prometheus metrics (docs/npu-telemetry.md).
 
 npu_smi     pure parsers over npu-smi's text
 source      runs npu-smi (timeouts, typed errors) -> NpuSnapshot

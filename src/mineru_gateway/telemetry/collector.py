@@ -8,8 +8,6 @@ the failure by kind.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -19,6 +17,7 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from mineru_gateway.periodic import Periodic
 from mineru_gateway.telemetry.npu_smi import NpuChip
 from mineru_gateway.telemetry.source import (
     ERROR_KINDS,
@@ -71,11 +70,10 @@ class NpuTelemetry:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._source = source
-        self._interval_s = interval_s
         self._device_workers = MappingProxyType(dict(device_workers or {}))
         self._clock = clock
         self._state = TelemetryState()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("npu-telemetry", interval_s, self.refresh, immediately=True)
 
     @property
     def state(self) -> TelemetryState:
@@ -96,21 +94,10 @@ class NpuTelemetry:
         return self._state
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="npu-telemetry")
+        self._loop.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            await self.refresh()
-            await asyncio.sleep(max(0.0, self._interval_s - (time.monotonic() - started)))
+        await self._loop.stop()
 
     def _succeeded(self, snapshot: NpuSnapshot, duration_s: float) -> None:
         if not self._state.up:
@@ -185,7 +172,7 @@ OWN_METRICS: tuple[_ChipMetric, ...] = (
     ),
 )
 
-# Ascend npu-exporter's names and units (DESIGN.md section 6), so existing dashboards work.
+# Ascend npu-exporter's names and units (docs/npu-telemetry.md), so existing dashboards work.
 NPU_EXPORTER_METRICS: tuple[_ChipMetric, ...] = (
     _ChipMetric(
         "npu_chip_info_utilization", "AI-core utilisation (%).", lambda chip: chip.aicore_percent

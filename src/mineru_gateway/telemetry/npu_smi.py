@@ -1,4 +1,4 @@
-"""Pure parsers over the text `npu-smi` prints: no I/O, no subprocesses (DESIGN.md section 6).
+"""Pure parsers over the text `npu-smi` prints: no I/O, no subprocesses (docs/npu-telemetry.md).
 
 `npu-smi info` prints a box table, two rows per NPU, whose spacing differs between driver
 versions (a five-digit value can touch the slash of `used / total`). So rows are split into cells on
@@ -148,7 +148,7 @@ def parse_key_values(text: str) -> dict[str, str]:
     """`Key : value` lines (any indentation, tabs or spaces) -> {key: value}.
 
     The first occurrence of a key wins: `-t common` repeats `Temperature(C)` for the MCU block
-    after the chip's own (DESIGN.md section 6). Keys keep their words, whitespace collapsed.
+    after the chip's own (docs/npu-telemetry.md). Keys keep their words, whitespace collapsed.
     """
     result: dict[str, str] = {}
     for line in text.splitlines():

@@ -9,7 +9,6 @@ hiccup never empties the worker set.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from mineru_gateway.periodic import Periodic
 from mineru_gateway.workers.registry import WorkerRegistry
 
 log = structlog.get_logger("mineru_gateway.discovery")
@@ -57,9 +57,8 @@ class DnsDiscovery:
     ) -> None:
         self._registry = registry
         self._targets = [DnsTarget.parse(url) for url in urls]
-        self._interval = interval_s
         self._known: dict[DnsTarget, set[str]] = {target: set() for target in self._targets}
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("dns-discovery", interval_s, self.refresh)
 
     async def refresh(self) -> None:
         for target in self._targets:
@@ -82,16 +81,7 @@ class DnsDiscovery:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._run(), name="dns-discovery")
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            await self.refresh()
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()

@@ -2,9 +2,9 @@
 
 `mineru-gateway worker`, the `up` supervisor, `docker-compose.yml` and the Kubernetes manifests all
 start a worker through `build_vllm_command` (or `build_sim_command` for a simulated one), so a
-worker starts the same way everywhere (DESIGN.md section 1, issue 4).
+worker starts the same way everywhere (docs/architecture.md, issue 4).
 
-What one vLLM(-Ascend) server per NPU needs (DESIGN.md section 4):
+What one vLLM(-Ascend) server per NPU needs (docs/vllm-ascend.md):
 
 - `ASCEND_RT_VISIBLE_DEVICES=<device>`: the device id as the container sees it (0 when a single
   NPU is mounted, as Kubernetes' device plugin and our compose services do).
@@ -21,10 +21,11 @@ What one vLLM(-Ascend) server per NPU needs (DESIGN.md section 4):
   environment the worker starts in may set them differently. The device and port variables are not
   defaults: they are what makes the worker this worker.
 - MinerU's logits processor (`no_repeat_ngram_size`, which MinerU's client sends) when the model
-  is MinerU, as `mineru-vllm-server` does (DESIGN.md section 5).
+  is MinerU, as `mineru-vllm-server` does (docs/mineru-client.md).
 
 On `cpu` (real vLLM's CPU build, used by the tests here) the device becomes a core list for
-`VLLM_CPU_OMP_THREADS_BIND`, the CPU analogue of `ASCEND_RT_VISIBLE_DEVICES` (DESIGN.md section 7).
+`VLLM_CPU_OMP_THREADS_BIND`, the CPU analogue of `ASCEND_RT_VISIBLE_DEVICES`
+(docs/running-locally.md).
 
 vLLM flags given by the user follow ours and win: a default is dropped when the user passes the
 same flag (`--flag value`, `--flag=value`, `--flag_name`, or its `--no-flag` negation).
@@ -57,7 +58,7 @@ HCCL_MAX_BASE_PORT = 65520  # CANN's documented upper bound for HCCL_IF_BASE_POR
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails on vllm-cpu
 MINERU_LOGITS_PROCESSOR = "mineru_vl_utils:MinerULogitsProcessor"
 
-# DESIGN.md section 4: typical VLM serve flags on Atlas A2.
+# docs/vllm-ascend.md: typical VLM serve flags on Atlas A2.
 ASCEND_DEFAULT_ARGS: tuple[str, ...] = (
     "--dtype",
     "bfloat16",

@@ -10,7 +10,12 @@ load into a "no healthy worker" outage.
 
 Load is learnt two ways too (issue 3): the gateway's own in-flight requests and their estimated
 cost, updated instantly by `lease`, and the worker's own queue read from its `/metrics` every
-`load_interval_s`. `views()` hands both to the routing policy.
+`load_interval_s`. `views()` hands both to the routing policy, and to flow control (issue 13),
+which asks whether a worker has room in its running batch. A worker's batch size is configured
+(`batch_limit`) or learnt: the most requests it has been seen running while others waited.
+
+Whoever sends a request reports the attempt's outcome with one call, `report(worker, outcome)`;
+the registry alone decides what that means for the worker's health.
 """
 
 from __future__ import annotations
@@ -20,15 +25,16 @@ import contextlib
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from mineru_gateway.cost import Cost, CostModel
+from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker, UpstreamTimeout
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
+from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import ReportedLoad, RoutingPolicy, WorkerView, candidates_for
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import VllmLoad, parse_vllm_load
@@ -37,6 +43,32 @@ log = structlog.get_logger("mineru_gateway.registry")
 
 SLOWNESS_BOUNDS = (0.25, 8.0)
 ITL_SMOOTHING = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    """How the registry probes workers and when it takes one out of routing."""
+
+    interval_s: float = 2.0  # between two active probes
+    timeout_s: float = 2.0  # one probe: /health, then /v1/models
+    eject_after: int = 3  # consecutive passive failures (5xx, dropped connections)
+    slow_probes_to_eject: int = 3  # consecutive probes that only timed out
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt on a worker showed about the worker's health."""
+
+    failure: str | None = None  # a reason label (connect_error, status_5xx, ...); None: fine
+    detail: str = ""
+    eject_now: bool = False  # a refused connection: no need to count
+
+    @classmethod
+    def failed(cls, reason: str, detail: str, *, eject_now: bool = False) -> Outcome:
+        return cls(reason, detail, eject_now)
+
+
+SUCCESS = Outcome()
 
 
 @dataclass(slots=True)
@@ -63,6 +95,7 @@ class Worker:
     slow_probes: int = 0  # consecutive health probes that timed out
     scrape: Scrape | None = None
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
+    batch_seen: int = 0  # most requests seen running while others waited: its batch size
 
     def reported(self, now: float) -> ReportedLoad | None:
         if self.scrape is None:
@@ -94,14 +127,21 @@ class Worker:
 
 
 class Lease:
-    """A request's place on a worker; `prefilled()` releases the prefill part of its cost."""
+    """A request's place on a worker, counted from `acquire` until `release()` (idempotent).
 
-    __slots__ = ("cost", "prefill_done", "worker")
+    `prefilled()` releases the prefill part of its cost at the answer's first byte.
+    """
 
-    def __init__(self, worker: Worker, cost: Cost) -> None:
+    __slots__ = ("_on_release", "cost", "prefill_done", "released", "worker")
+
+    def __init__(self, worker: Worker, cost: Cost, on_release: Callable[[], None]) -> None:
         self.worker = worker
         self.cost = cost
         self.prefill_done = False
+        self.released = False
+        self._on_release = on_release
+        worker.in_flight += 1
+        worker.own_cost += cost.total
 
     def prefilled(self) -> None:
         """The worker sent the first byte of the answer: the prompt is no longer queued work."""
@@ -110,6 +150,16 @@ class Lease:
             worker = self.worker
             worker.own_cost = max(0.0, worker.own_cost - self.cost.prefill)
 
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        worker = self.worker
+        worker.in_flight -= 1
+        held = self.cost.hold if self.prefill_done else self.cost.total
+        worker.own_cost = max(0.0, worker.own_cost - held) if worker.in_flight else 0.0
+        self._on_release()
+
 
 class WorkerRegistry:
     def __init__(
@@ -117,30 +167,34 @@ class WorkerRegistry:
         urls: Iterable[str],
         client: UpstreamClient,
         policy: RoutingPolicy,
+        health: HealthPolicy | None = None,
         *,
-        health_interval_s: float,
-        health_timeout_s: float,
         load_interval_s: float = 0.2,
         pace_weighting: bool = False,
-        eject_after: int = 3,
-        slow_probes_to_eject: int = 3,
-        cost_model: CostModel | None = None,
+        batch_limit: int | None = None,
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._workers = {url: Worker(url) for url in urls}
         self._client = client
         self.policy = policy
-        self.cost_model = cost_model or CostModel()
-        self.metrics = metrics or GatewayMetrics()
-        self._interval = health_interval_s
-        self._timeout = health_timeout_s
+        self.health = health or HealthPolicy()
+        self._metrics = metrics or GatewayMetrics()
         self._load_interval = load_interval_s
         self._pace_weighting = pace_weighting
-        self._eject_after = eject_after
-        self._slow_probes_to_eject = slow_probes_to_eject
+        self._batch_limit = batch_limit
         self._rng = rng or random.Random()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._loops: list[Periodic] = []
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs whenever a worker may have gained room: a request ended, fresh load
+        figures arrived, a worker's health or membership changed (flow control pumps on it)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     # -- membership -------------------------------------------------------------------------
     @property
@@ -154,6 +208,10 @@ class WorkerRegistry:
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
         self._workers.pop(url, None)
+        self._changed()
+
+    def worker(self, url: str) -> Worker:
+        return self._workers[url]
 
     # -- routing --------------------------------------------------------------------------
     def views(self) -> list[WorkerView]:
@@ -168,6 +226,7 @@ class WorkerRegistry:
                 own_cost=worker.own_cost,
                 reported=worker.reported(now),
                 slowness=slowness.get(worker.url, 1.0),
+                batch_limit=self._batch_limit or worker.batch_seen or None,
             )
             for worker in self._workers.values()
         ]
@@ -187,12 +246,16 @@ class WorkerRegistry:
         views = self.views()
         candidates = candidates_for(views, model, exclude)
         if not candidates:
-            raise self._why_no_candidate(views, model)
+            raise self.why_no_candidate(views, model)
+        return self.choose_among(candidates)
+
+    def choose_among(self, candidates: list[WorkerView]) -> Worker:
+        """The routing policy's pick of `candidates` (non-empty views from `views()`)."""
         chosen = self._workers[self.policy.choose(candidates, self._rng).name]
-        self.metrics.routing_decisions.inc(self.policy.name, chosen.url)
+        self._metrics.routing_decisions.inc(self.policy.name, chosen.url)
         return chosen
 
-    def _why_no_candidate(self, views: list[WorkerView], model: str | None) -> GatewayError:
+    def why_no_candidate(self, views: list[WorkerView], model: str | None) -> GatewayError:
         healthy = [view for view in views if view.healthy]
         if healthy and not any(view.serves(model) for view in healthy):
             served = sorted({m for view in healthy for m in view.models})
@@ -202,31 +265,34 @@ class WorkerRegistry:
             )
         return NoHealthyWorker("no healthy worker is available for this request; retry later")
 
+    def acquire(self, worker: Worker, cost: Cost) -> Lease:
+        """Counts a request and its cost on `worker` until the lease is released."""
+        return Lease(worker, cost, self._changed)
+
     @contextlib.contextmanager
     def lease(self, worker: Worker, cost: Cost) -> Iterator[Lease]:
-        """Counts a request and its cost on `worker` for the block's duration, whatever happens."""
-        lease = Lease(worker, cost)
-        worker.in_flight += 1
-        worker.own_cost += cost.total
+        """`acquire` for the block's duration, released whatever happens."""
+        lease = self.acquire(worker, cost)
         try:
             yield lease
         finally:
-            worker.in_flight -= 1
-            held = cost.hold if lease.prefill_done else cost.total
-            worker.own_cost = max(0.0, worker.own_cost - held) if worker.in_flight else 0.0
+            lease.release()
 
     # -- passive health -------------------------------------------------------------------
-    def record_failure(self, worker: Worker, reason: str, error: str, *, at_once: bool) -> None:
-        """A connection failure, a 5xx or a dropped stream; `at_once` ejects without counting."""
+    def report(self, worker: Worker, outcome: Outcome) -> None:
+        """How an attempt on `worker` went. A failure (a refused connection, a 5xx, a dropped
+        stream) counts towards ejection; `eject_now` ejects without counting."""
+        if outcome.failure is None:
+            worker.failures = 0
+            return
         worker.failures += 1
-        worker.last_error = error
-        if worker.healthy and (at_once or worker.failures >= self._eject_after):
+        worker.last_error = outcome.detail
+        if worker.healthy and (outcome.eject_now or worker.failures >= self.health.eject_after):
             worker.healthy = False
-            self.metrics.ejections.inc(worker.url, reason)
-            log.warning("worker_ejected", worker=worker.url, reason=reason, error=error)
-
-    def record_success(self, worker: Worker) -> None:
-        worker.failures = 0
+            self._metrics.ejections.inc(worker.url, outcome.failure)
+            log.warning(
+                "worker_ejected", worker=worker.url, reason=outcome.failure, error=outcome.detail
+            )
 
     # -- what the rest of the gateway reads ----------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -261,13 +327,14 @@ class WorkerRegistry:
 
     # -- active probes --------------------------------------------------------------------
     async def check(self, worker: Worker) -> None:
+        timeout = self.health.timeout_s
         try:
-            await self._client.get_ok(f"{worker.url}/health", self._timeout)
-            listing = await self._client.get_json(f"{worker.url}/v1/models", self._timeout)
+            await self._client.get_ok(f"{worker.url}/health", timeout)
+            listing = await self._client.get_json(f"{worker.url}/v1/models", timeout)
             models = {card["id"]: card for card in listing["data"]}
         except UpstreamTimeout as exc:
             worker.slow_probes += 1
-            if worker.healthy and worker.slow_probes < self._slow_probes_to_eject:
+            if worker.healthy and worker.slow_probes < self.health.slow_probes_to_eject:
                 worker.last_error = str(exc)
                 log.info("worker_probe_slow", worker=worker.url, error=str(exc))
             else:
@@ -284,12 +351,15 @@ class WorkerRegistry:
         worker.last_checked = time.time()
 
     def _set_health(self, worker: Worker, healthy: bool, error: str | None) -> None:
-        if healthy != worker.healthy:
+        changed = healthy != worker.healthy
+        if changed:
             event = "worker_healthy" if healthy else "worker_unhealthy"
             log.info(event, worker=worker.url, error=error)
         worker.healthy = healthy
         if error is not None:
             worker.last_error = error
+        if changed:
+            self._changed()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(worker) for worker in self.workers))
@@ -304,6 +374,8 @@ class WorkerRegistry:
         if load is None:
             return
         self._learn_pace(worker, load)
+        if load.waiting > 0:
+            worker.batch_seen = max(worker.batch_seen, round(load.running))
         worker.scrape = Scrape(load, time.monotonic(), own)
 
     @property
@@ -325,25 +397,18 @@ class WorkerRegistry:
 
     async def read_all_loads(self) -> None:
         await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
+        self._changed()
 
     async def start(self) -> None:
         """Probes every worker once (so the first requests find them), then keeps probing."""
         await self.check_all()
-        self._tasks = [
-            asyncio.create_task(_every(self._interval, self.check_all), name="worker-health"),
-            asyncio.create_task(_every(self._load_interval, self.read_all_loads), name="load"),
+        self._loops = [
+            Periodic("worker-health", self.health.interval_s, self.check_all),
+            Periodic("load", self._load_interval, self.read_all_loads),
         ]
+        for loop in self._loops:
+            loop.start()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-
-
-async def _every(interval_s: float, action: Callable[[], Awaitable[None]]) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        await action()
+        await stop_all(self._loops)
+        self._loops = []

@@ -2,7 +2,7 @@
 
 aiohttp, not httpx, carries the hot path: a plain httpx streaming relay delivered under half of the
 offered SSE events at 128 streams on these machines, aiohttp about 7x less CPU per event
-(DESIGN.md section 9; our own figures in benchmarks/results/).
+(docs/proxy-costs.md; our own figures in benchmarks/results/).
 """
 
 from __future__ import annotations
