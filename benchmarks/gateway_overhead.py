@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,15 +29,11 @@ from typing import Any
 
 import aiohttp
 
+from mineru_gateway.testing import free_port, wait_http_ok
+
 CHAT = "/v1/chat/completions"
 PROXIES = ("gateway", "bare-proxy", "naive-httpx")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+READY_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -195,23 +190,23 @@ class Fleet:
             self._spawn(["sim", "--port", str(port), *self.sim_args])
             self.worker_urls.append(f"http://127.0.0.1:{port}")
         for url in self.worker_urls:
-            wait_ok(url + "/health")
+            wait_http_ok(url + "/health", READY_TIMEOUT_S)
         port = free_port()
         workers = ",".join(self.worker_urls)
         args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
         self.gateway_pid = self._spawn(args).pid
         self.gateway_url = f"http://127.0.0.1:{port}"
-        wait_ok(self.gateway_url + "/ready")
+        wait_http_ok(self.gateway_url + "/ready", READY_TIMEOUT_S)
         port = free_port()
         naive = str(Path(__file__).with_name("naive_relay.py"))
         self.naive_pid = self._spawn(["--port", str(port), "--workers", workers], naive).pid
         self.naive_url = f"http://127.0.0.1:{port}"
-        wait_ok(self.naive_url + "/ready")
+        wait_http_ok(self.naive_url + "/ready", READY_TIMEOUT_S)
         port = free_port()
         bare = str(Path(__file__).parent / "routing" / "dp_balancer.py")
         self.bare_pid = self._spawn(["--port", str(port), "--workers", workers], bare).pid
         self.bare_url = f"http://127.0.0.1:{port}"
-        wait_ok(self.bare_url + "/ready")
+        wait_http_ok(self.bare_url + "/ready", READY_TIMEOUT_S)
 
     def stop(self) -> None:
         for proc in self.processes:
@@ -221,20 +216,6 @@ class Fleet:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def wait_ok(url: str, timeout: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:

@@ -22,7 +22,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from mineru_gateway.testing import free_port, free_port_block, wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -97,13 +98,6 @@ def _expect(found: int, wanted: int, what: str) -> None:
         raise ValueError(f"prometheus.yml: expected {wanted} x {what}, found {found}")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class PrometheusServer:
     """`prometheus` on 127.0.0.1 with `config`, storing in `directory`; its own process group."""
@@ -132,7 +126,9 @@ class PrometheusServer:
             self.process = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        _wait_ok(f"{self.url}/-/ready", timeout_s, self.process, self.directory / "prometheus.log")
+        wait_http_ok(
+            f"{self.url}/-/ready", timeout_s, self.process, self.directory / "prometheus.log"
+        )
         return self.url
 
     def stop(self) -> None:
@@ -144,24 +140,6 @@ class PrometheusServer:
             yield self.start()
         finally:
             self.stop()
-
-
-def _wait_ok(
-    url: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text()[-2000:] if log else ""
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}:\n{tail}")
-        with (
-            contextlib.suppress(urllib.error.URLError, OSError),
-            urllib.request.urlopen(url, timeout=2) as response,
-        ):
-            if response.status == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
 def _stop_group(process: subprocess.Popen[bytes] | None, timeout_s: float = 15.0) -> None:
@@ -296,7 +274,7 @@ class GatewayGroup:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[str]:
-        self.worker_base_port = self.worker_base_port or _free_port_range(self.workers)
+        self.worker_base_port = self.worker_base_port or free_port_block(self.workers)
         argv = [
             sys.executable,
             "-m",
@@ -314,24 +292,10 @@ class GatewayGroup:
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
-            _wait_ok(f"{self.url}/ready", 60, self.process, log_path)
+            wait_http_ok(f"{self.url}/ready", 60, self.process, log_path)
             yield self.url
         finally:
             _stop_group(self.process)
-
-
-def _free_port_range(count: int) -> int:
-    for _ in range(100):
-        base = random.randint(20000, 60000 - count)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free range of ports")
 
 
 def _model(gateway: str) -> str:

@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mineru_gateway.cli import build_parser, main, settings_from_args
-from tests.support.servers import CliProcess, free_port, wait_http_ok, wait_until
+from mineru_gateway.entry.cli import build_parser, main, settings_from_args
+from mineru_gateway.testing import free_port, wait_http_ok, wait_until
+from tests.support.servers import CliProcess
 
 
 def processes_mentioning(marker: str) -> list[int]:

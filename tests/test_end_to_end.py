@@ -16,8 +16,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mineru_gateway.testing import start_vllm_server, vllm_paths_from_env, wait_until
 from tests.conftest import StartGateway, StartSim
-from tests.support.vllm_server import start_vllm_server, vllm_paths_from_env
 
 CHAT = "/v1/chat/completions"
 
@@ -175,10 +175,11 @@ def test_client_disconnect_aborts_the_generation(gateway: str, backend: Backend)
             for _ in range(3):
                 next(lines)
             left_after = time.monotonic() - sent
-        deadline = time.monotonic() + 10
-        while metric(backend.url, "vllm:num_requests_running") != 0:
-            assert time.monotonic() < deadline, "worker kept generating for a departed client"
-            time.sleep(0.05)
+        wait_until(
+            lambda: metric(backend.url, "vllm:num_requests_running") == 0,
+            10,
+            "the worker to stop generating for a departed client",
+        )
         generated = metric(backend.url, "vllm:generation_tokens_total") - generated_before
         if left_after < 0.5:
             assert generated < 1000

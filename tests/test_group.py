@@ -13,17 +13,26 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
-from mineru_gateway.cli import build_parser
-from mineru_gateway.group import default_log_dir, group_options_from_args
+from mineru_gateway.entry.cli import build_parser
+from mineru_gateway.entry.group import default_log_dir, group_options_from_args
+from mineru_gateway.testing import (
+    VLLM_DEFAULT_ENV,
+    free_port,
+    free_port_block,
+    group_pids,
+    vllm_paths_from_env,
+    wait_http_ok,
+    wait_until,
+    wait_until_async,
+)
 from mineru_gateway.workers.launcher import VllmOptions, build_vllm_command
-from tests.support.ports import free_port_block
-from tests.support.servers import CliProcess, free_port, wait_http_ok, wait_until
-from tests.support.vllm_server import DEFAULT_ENV, group_pids, vllm_paths_from_env
+from tests.support.servers import CliProcess
 
 CHAT = {"messages": [{"role": "user", "content": "\nText Recognition:"}]}
 
@@ -213,6 +222,20 @@ async def load(url: str, clients: int, seconds: float) -> list[str]:
     return results
 
 
+async def in_flight_on(client: httpx.AsyncClient, gateway: str, worker: str) -> bool:
+    """True once the gateway has requests in flight on `worker`."""
+    listing = (await client.get(gateway + "/v1/workers")).json()
+    return any(w["url"] == worker and w["in_flight"] > 0 for w in listing["workers"])
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
 def success_count(worker_url: str) -> float:
     text = httpx.get(worker_url + "/metrics").text
     return sum(
@@ -240,11 +263,13 @@ async def test_a_worker_killed_under_load_loses_no_request_and_comes_back(
     victim = up.worker_pid(1)
     victim_url = f"http://127.0.0.1:{up.base + 1}"
 
-    async def kill_soon() -> None:
-        await asyncio.sleep(2.0)
+    async def kill_under_load() -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            busy = partial(in_flight_on, client, up.url, victim_url)
+            await wait_until_async(busy, 10, "requests in flight on the victim")
         os.killpg(victim, signal.SIGKILL)
 
-    killer = asyncio.create_task(kill_soon())
+    killer = asyncio.create_task(kill_under_load())
     results = await load(up.url + "/v1/chat/completions", clients=12, seconds=5.0)
     await killer
 
@@ -287,9 +312,9 @@ def test_sigterm_lets_in_flight_streams_finish_then_stops_everything(
                 events.append(line)
                 break
         os.kill(up.proc.pid, signal.SIGTERM)  # docker stop / kubelet signal the main process
-        time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):  # no new connections while draining
-            httpx.get(up.url + "/health", timeout=2)
+        wait_until(
+            lambda: refuses_connections(up.url + "/health"), 5, "draining: no new connections"
+        )
         events += [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert not any('"error"' in event for event in events)
@@ -430,7 +455,7 @@ def test_up_runs_real_vllm_workers_routes_to_both_and_restarts_a_killed_one(
     tmp_path: Path, ups: list[Up]
 ) -> None:
     python, model = vllm_paths_from_env()
-    env = {**DEFAULT_ENV, "TMPDIR": str(tmp_path)}  # offline, no usage stats
+    env = {**VLLM_DEFAULT_ENV, "TMPDIR": str(tmp_path)}  # offline, no usage stats
     del env["VLLM_CPU_OMP_THREADS_BIND"]  # the launcher binds each worker to its own cores
     up = Up(
         tmp_path,

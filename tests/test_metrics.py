@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mineru_gateway.metrics import Counter, Histogram
 from tests.conftest import StartGateway, StartSim
 from tests.support.npu_smi_stub import install_npu_smi
+from tests.support.servers import wait_for_series
 
 CHAT = "/v1/chat/completions"
 
@@ -113,10 +113,7 @@ def test_npu_telemetry_in_the_gateway_metrics(
     gateway = start_gateway(
         [worker], npu_smi=str(stub.path), npu_smi_interval_s=0.1, npu_devices=f"0={worker}"
     )
-    deadline = time.monotonic() + 15
-    while "npu_chip_info_power{" not in (text := httpx.get(gateway + "/metrics").text):
-        assert time.monotonic() < deadline, "no NPU series"
-        time.sleep(0.05)
+    text = wait_for_series(gateway, "npu_chip_info_power")
     assert total(text, "mineru_gateway_npu_healthy", npu="0", worker=worker) == 1
     assert total(text, "npu_chip_info_hbm_total_memory", id="0") > 0
     check = subprocess.run(

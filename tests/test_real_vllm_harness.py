@@ -1,4 +1,5 @@
-"""The real-vLLM harness itself: start the CPU build on the tiny model, talk to it, stop it cleanly.
+"""The real-vLLM harness itself (mineru_gateway.testing): start the CPU build on the tiny model,
+talk to it, stop it cleanly; and the same harness against a stand-in for vLLM's python.
 
 One server start (about 20-30 s here); without `make vllm` the test fails with instructions.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.vllm_server import (
+from mineru_gateway.testing import (
     MODEL_ENV,
     PYTHON_ENV,
     omp_bind_env,
@@ -142,3 +143,59 @@ def test_the_model_builder_makes_a_small_model_and_leaves_the_tiny_one_as_it_was
     )
     assert again.returncode == 0, again.stderr
     assert "reusing" in again.stdout
+
+
+# -- the harness against a stand-in for vLLM's python -----------------------------------------
+
+STAND_IN = """#!{python}
+# Stands in for vLLM's python: a child in the same process group (as vLLM starts its engine core),
+# then a simulated worker on the port and under the name it was given ($SERVE_AS overrides it).
+import os, subprocess, sys
+args = sys.argv[1:]
+port = args[args.index("--port") + 1]
+name = os.environ.get("SERVE_AS") or args[args.index("--served-model-name") + 1]
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+os.execv(sys.executable, [sys.executable, "-m", "mineru_gateway", "sim", "--port", port,
+         "--model-name", name, "--log-level", "warning"])
+"""
+
+
+def stand_in(tmp_path: Path, body: str = STAND_IN) -> str:
+    path = tmp_path / "vllm-python"
+    path.write_text(body.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_harness_waits_for_the_served_name_and_stops_the_whole_group(tmp_path: Path) -> None:
+    server = start_vllm_server(stand_in(tmp_path), str(tmp_path), log_path=str(tmp_path / "log"))
+    try:
+        assert server.wait_ready(timeout=30) is server
+        assert server.ready_after is not None and server.ready_after > 0
+        assert len(server.pids()) == 2  # the server and its child
+        models = httpx.get(server.url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+    finally:
+        code = server.stop(timeout=10)
+    assert code == 0
+    assert server.pids() == []
+
+
+def test_the_harness_reports_a_server_that_serves_another_name(tmp_path: Path) -> None:
+    server = start_vllm_server(stand_in(tmp_path), str(tmp_path), env={"SERVE_AS": "other"})
+    try:
+        with pytest.raises(TimeoutError, match=r"not ready after 5 s \(last: \"/v1/models 200"):
+            server.wait_ready(timeout=5)
+    finally:
+        server.stop(timeout=10)
+
+
+def test_the_harness_fails_at_once_with_the_log_of_a_server_that_exits(tmp_path: Path) -> None:
+    exits = "#!{python}\nprint('no such model')\nraise SystemExit(3)\n"
+    server = start_vllm_server(stand_in(tmp_path, exits), str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="vLLM exited with 3 before it was ready") as info:
+        server.wait_ready(timeout=30)
+    assert time.monotonic() - started < 10
+    assert "no such model" in str(info.value)
+    assert server.stop() == 3

@@ -9,12 +9,10 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,29 +21,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from mineru_gateway.testing import free_port, wait_http_ok, wait_until_async
+
 MODEL = "opendatalab/MinerU2.5-2509-1.2B"
+READY_TIMEOUT_S = 90.0
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_ok(url: str, timeout: float = 90.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -68,7 +48,7 @@ def machine_busy() -> tuple[float, float]:
 
 def cpu_sample(parts: dict[str, Sequence[int]]) -> dict[str, float]:
     """CPU seconds so far of each named group of processes, of this process (`loadgen`), and the
-    machine's busy and total jiffies (`_busy`, `_total`): two samples make `suite.cpu_share`."""
+    machine's busy and total jiffies (`_busy`, `_total`): two samples make `runs.cpu_share`."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     busy, total = machine_busy()
     sample = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in parts.items()}
@@ -145,7 +125,7 @@ class SimWorkers:
             self.urls.append(f"http://127.0.0.1:{port}")
             self.pids.append(handle.pid)
         for url, handle in zip(self.urls, self._handles, strict=True):
-            wait_ok(url + "/health", proc=handle)
+            wait_http_ok(url + "/health", READY_TIMEOUT_S, handle)
 
     def stop(self) -> None:
         for handle in self._handles:
@@ -167,13 +147,13 @@ async def wait_idle(
 ) -> float:
     """Waits until every worker has nothing running, waiting or open; returns seconds waited."""
     start = time.monotonic()
-    while True:
+
+    async def idle() -> bool:
         states = await sim_states(session, urls)
-        if all(s["running"] == 0 and s["waiting"] == 0 and s["in_flight"] == 0 for s in states):
-            return time.monotonic() - start
-        if time.monotonic() - start > limit_s:
-            raise TimeoutError(f"workers not idle after {limit_s} s: {states}")
-        await asyncio.sleep(0.1)
+        return all(s["running"] == 0 and s["waiting"] == 0 and s["in_flight"] == 0 for s in states)
+
+    await wait_until_async(idle, limit_s, "simulated workers idle", poll=0.1)
+    return time.monotonic() - start
 
 
 async def metrics_counts(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -275,7 +255,8 @@ class RunningRouter:
         self.handle = procs.spawn(f"router-{spec.name}", spec.argv(port, workers, settings))
 
     async def ready(self) -> RunningRouter:
-        await asyncio.to_thread(wait_ok, self.url + self.spec.ready_path, 90.0, self.handle)
+        url = self.url + self.spec.ready_path
+        await asyncio.to_thread(wait_http_ok, url, READY_TIMEOUT_S, self.handle)
         # The gateway is ready with one healthy worker; give every router time to see all.
         await asyncio.sleep(2.5)
         return self

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,76 +110,98 @@ def targets(
 ) -> list[dict[str, Any]]:
     """Issue 3's targets for `queue`, each PASS, FAIL or n/a (something needed was not run)."""
     found: list[dict[str, Any]] = []
-
-    def add(name: str, ok: bool | None, detail: str) -> None:
-        verdict = "n/a" if ok is None else ("PASS" if ok else "FAIL")
-        found.append({"target": name, "result": verdict, "detail": detail})
-
     for scenario, table in goodputs.items():
-        mine = _gp(table, CANDIDATE)
-        rr = _gp(table, ROUND_ROBIN)
-        if scenario.startswith("a"):
-            others = {k: _gp(table, k) for k in table if k != CANDIDATE}
-            best_name = max(others, key=lambda k: others[k].interpolated, default=None)  # type: ignore[union-attr]
-            if mine is None or best_name is None:
-                add("(a) goodput >= best baseline", None, "queue or baselines not run")
-            else:
-                best = others[best_name]
-                assert best is not None
-                add(
-                    "(a) goodput >= best baseline",
-                    mine.interpolated >= best.interpolated,
-                    f"queue {mine.interpolated:.1f} req/s vs {best_name} {best.interpolated:.1f}",
-                )
-            q85 = _p99_at(runs, scenario, CANDIDATE, 0.85)
-            r85 = _p99_at(runs, scenario, ROUND_ROBIN, 0.85)
-            if q85 is None or r85 is None:
-                add("(a) TTFT p99 at 0.85K <= 1.1x round_robin", None, "not run at 0.85K")
-            else:
-                add(
-                    "(a) TTFT p99 at 0.85K <= 1.1x round_robin",
-                    q85 <= 1.1 * r85,
-                    f"queue {q85:.0f} ms vs round_robin {r85:.0f} ms ({q85 / r85:.2f}x)",
-                )
-        else:
-            key = scenario.split("_", 1)[0]
-            if mine is None or rr is None or rr.interpolated <= 0:
-                add(f"({key}) goodput >= 1.4x round_robin", None, "queue or round_robin not run")
-            else:
-                ratio = mine.interpolated / rr.interpolated
-                add(
-                    f"({key}) goodput >= 1.4x round_robin",
-                    ratio >= 1.4,
-                    f"queue {mine.interpolated:.1f} vs {rr.interpolated:.1f} req/s ({ratio:.2f}x)",
-                )
-            for own in ("least_inflight", "vllm_router_p2"):
-                theirs = _gp(table, own)
-                name = f"({key}) goodput >= 1.2x {own}"
-                if mine is None or theirs is None or theirs.interpolated <= 0:
-                    add(name, None, f"queue or {own} not run")
-                    continue
-                ratio = mine.interpolated / theirs.interpolated
-                add(
-                    name,
-                    ratio >= 1.2,
-                    f"queue {mine.interpolated:.1f} vs {theirs.interpolated:.1f} ({ratio:.2f}x)",
-                )
-        for fraction in plan["fixed"]:
-            name = f"({scenario.split('_', 1)[0]}) TTFT p99 at {fraction:g}K <= 1.2x best"
-            ours = _p99_at(runs, scenario, CANDIDATE, fraction)
-            values = {
-                r.router: (math.inf if r.ttft_ms["p99"] is None else r.ttft_ms["p99"])
-                for r in runs
-                if r.scenario == scenario and abs(r.fraction - fraction) < 1e-9
-            }
-            if ours is None or not values:
-                add(name, None, "queue not run")
-                continue
-            best_router = min(values, key=lambda k: values[k])
-            best = values[best_router]
-            ok = ours <= 1.2 * best if math.isfinite(best) else True
-            add(name, ok, f"queue {ours:.0f} ms, best {best_router} {best:.0f} ms")
+        case = Case(runs, scenario, table)
+        checks = IDENTICAL_WORKER_CHECKS if scenario.startswith("a") else UNEVEN_WORKER_CHECKS
+        found += [check(case) for check in checks]
+        found += [_p99_within_best(case, fraction) for fraction in plan["fixed"]]
     return found
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scenario's runs and goodput table, as the target checks read them."""
+
+    runs: Sequence[RunResult]
+    scenario: str
+    table: dict[str, dict[str, Any]]
+
+    @property
+    def key(self) -> str:
+        return self.scenario.split("_", 1)[0]
+
+    def goodput(self, router: str) -> Goodput | None:
+        return _gp(self.table, router)
+
+    def p99_at(self, router: str, fraction: float) -> float | None:
+        return _p99_at(self.runs, self.scenario, router, fraction)
+
+
+def _target(name: str, ok: bool | None, detail: str) -> dict[str, Any]:
+    verdict = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+    return {"target": name, "result": verdict, "detail": detail}
+
+
+def _goodput_at_least_best_baseline(case: Case) -> dict[str, Any]:
+    name = "(a) goodput >= best baseline"
+    mine = case.goodput(CANDIDATE)
+    others = {k: g for k in case.table if k != CANDIDATE and (g := case.goodput(k)) is not None}
+    best_name = max(others, key=lambda k: others[k].interpolated, default=None)
+    if mine is None or best_name is None:
+        return _target(name, None, "queue or baselines not run")
+    best = others[best_name].interpolated
+    detail = f"queue {mine.interpolated:.1f} req/s vs {best_name} {best:.1f}"
+    return _target(name, mine.interpolated >= best, detail)
+
+
+def _p99_near_round_robin(case: Case) -> dict[str, Any]:
+    name = "(a) TTFT p99 at 0.85K <= 1.1x round_robin"
+    q85, r85 = case.p99_at(CANDIDATE, 0.85), case.p99_at(ROUND_ROBIN, 0.85)
+    if q85 is None or r85 is None:
+        return _target(name, None, "not run at 0.85K")
+    detail = f"queue {q85:.0f} ms vs round_robin {r85:.0f} ms ({q85 / r85:.2f}x)"
+    return _target(name, q85 <= 1.1 * r85, detail)
+
+
+def _goodput_over(router: str, factor: float, unit: str = "") -> Callable[[Case], dict[str, Any]]:
+    """A check: `queue`'s goodput is at least `factor` times `router`'s."""
+
+    def check(case: Case) -> dict[str, Any]:
+        name = f"({case.key}) goodput >= {factor:g}x {router}"
+        mine, theirs = case.goodput(CANDIDATE), case.goodput(router)
+        if mine is None or theirs is None or theirs.interpolated <= 0:
+            return _target(name, None, f"queue or {router} not run")
+        ratio = mine.interpolated / theirs.interpolated
+        detail = f"queue {mine.interpolated:.1f} vs {theirs.interpolated:.1f}{unit} ({ratio:.2f}x)"
+        return _target(name, ratio >= factor, detail)
+
+    return check
+
+
+# Identical workers: `queue` must match the best baseline. A slow worker or direct traffic: it
+# must clearly beat round-robin and the routers that see only their own requests.
+IDENTICAL_WORKER_CHECKS = (_goodput_at_least_best_baseline, _p99_near_round_robin)
+UNEVEN_WORKER_CHECKS = (
+    _goodput_over(ROUND_ROBIN, 1.4, " req/s"),
+    _goodput_over("least_inflight", 1.2),
+    _goodput_over("vllm_router_p2", 1.2),
+)
+
+
+def _p99_within_best(case: Case, fraction: float) -> dict[str, Any]:
+    name = f"({case.key}) TTFT p99 at {fraction:g}K <= 1.2x best"
+    ours = case.p99_at(CANDIDATE, fraction)
+    values = {
+        r.router: (math.inf if r.ttft_ms["p99"] is None else r.ttft_ms["p99"])
+        for r in case.runs
+        if r.scenario == case.scenario and abs(r.fraction - fraction) < 1e-9
+    }
+    if ours is None or not values:
+        return _target(name, None, "queue not run")
+    best_router = min(values, key=lambda k: values[k])
+    best = values[best_router]
+    ok = ours <= 1.2 * best if math.isfinite(best) else True
+    return _target(name, ok, f"queue {ours:.0f} ms, best {best_router} {best:.0f} ms")
 
 
 def markdown(document: dict[str, Any]) -> str:

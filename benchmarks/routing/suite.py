@@ -28,21 +28,19 @@ import math
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
-import typing
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
+import uvloop
 
-from . import fleet, loadgen, report, workload
+from . import fleet, loadgen, report, vllm_real, workload
+from .runs import FOREIGN_CPU_LIMIT, MACHINE_BUSY_LIMIT, cpu_share, git_commit, least_disturbed
 from .stats import RunResult, passes, summarise
-
-T = TypeVar("T")
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # One simulated worker's capacity on the default mix, requests/s at time scale 1: its saturated
@@ -168,6 +166,20 @@ def available_routers(wanted: Sequence[str]) -> tuple[list[str], list[str]]:
     return ok, missing
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What the runs of one sweep share: the session, the scenario, its workers and the router."""
+
+    session: aiohttp.ClientSession
+    scenario: Scenario
+    workers: fleet.SimWorkers
+    router: fleet.RunningRouter
+
+    def cpu(self) -> dict[str, float]:
+        """A `fleet.cpu_sample` of the router and the workers."""
+        return fleet.cpu_sample({"router": [self.router.pid], "workers": self.workers.pids})
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, plan: Plan, mix: workload.Mix) -> None:
         self.args = args
@@ -201,42 +213,29 @@ class Bench:
         return capacity
 
     # -- one run -------------------------------------------------------------------------
-    async def run_one(
-        self,
-        session: aiohttp.ClientSession,
-        scenario: Scenario,
-        router: fleet.RunningRouter,
-        workers: fleet.SimWorkers,
-        fraction: float,
-    ) -> RunResult:
-        plan = self.plan
+    async def run_one(self, stage: Stage, fraction: float) -> RunResult:
+        plan, session, urls = self.plan, stage.session, stage.workers.urls
         per_worker = self.worker_capacity / plan.time_scale  # wall requests/s
-        rate = fraction * scenario.capacity_workers() * per_worker
+        rate = fraction * stage.scenario.capacity_workers() * per_worker
         phases = plan.phases(fraction)
         seed = plan.seed * 10_000 + round(fraction * 1000)  # same requests for every router
         arrivals = workload.arrivals(self.mix, seed, rate, phases.total + 1)
-        before = await fleet.sim_states(session, workers.urls)
-        cpu_before = self._cpu(router, workers)
+        before = await fleet.sim_states(session, urls)
+        cpu_before = stage.cpu()
         stop = asyncio.Event()
-        background: asyncio.Task[list[loadgen.Record]] | None = None
-        if scenario.direct_share > 0:
-            bg_rate = scenario.direct_share * per_worker
-            bg_arrivals = workload.arrivals(self.mix, seed + 5000, bg_rate, phases.total + 60)
-            background = asyncio.create_task(
-                loadgen.background_load(session, workers.urls[0], bg_arrivals, stop)
-            )
+        background = self._direct_traffic(stage, seed, per_worker, phases, stop)
         started = time.perf_counter()
-        outcome = await loadgen.run_open_loop(session, router.url, arrivals, phases)
+        outcome = await loadgen.run_open_loop(session, stage.router.url, arrivals, phases)
         stop.set()
         bg_records = await background if background is not None else []
         wall = time.perf_counter() - started
-        cpu_after = self._cpu(router, workers)
-        idle = await fleet.wait_idle(session, workers.urls)
-        after = await fleet.sim_states(session, workers.urls)
+        cpu_after = stage.cpu()
+        idle = await fleet.wait_idle(session, urls)
+        after = await fleet.sim_states(session, urls)
         result = summarise(
             outcome,
-            scenario=scenario.name,
-            router=router.spec.name,
+            scenario=stage.scenario.name,
+            router=stage.router.spec.name,
             fraction=fraction,
             rate=rate,
             window_s=phases.window_s,
@@ -253,36 +252,40 @@ class Bench:
         await asyncio.sleep(1.0)  # let routers' load views see the idle workers
         return result
 
-    def _cpu(self, router: fleet.RunningRouter, workers: fleet.SimWorkers) -> dict[str, float]:
-        return fleet.cpu_sample({"router": [router.pid], "workers": workers.pids})
+    def _direct_traffic(
+        self,
+        stage: Stage,
+        seed: int,
+        per_worker: float,
+        phases: loadgen.Phases,
+        stop: asyncio.Event,
+    ) -> asyncio.Task[list[loadgen.Record]] | None:
+        """Scenario (c)'s extra traffic straight to worker 0, bypassing the router, until `stop`."""
+        share = stage.scenario.direct_share
+        if share <= 0:
+            return None
+        arrivals = workload.arrivals(self.mix, seed + 5000, share * per_worker, phases.total + 60)
+        load = loadgen.background_load(stage.session, stage.workers.urls[0], arrivals, stop)
+        return asyncio.create_task(load)
 
-    async def wait_quiet(
-        self, router: fleet.RunningRouter, workers: fleet.SimWorkers, limit_s: float = 60.0
-    ) -> float:
+    async def wait_quiet(self, stage: Stage, limit_s: float = 60.0) -> float:
         """Waits (up to `limit_s`) until processes that are not ours use under
         `FOREIGN_CPU_LIMIT` cores: this machine is shared. Returns the last foreign load seen."""
         deadline = time.monotonic() + limit_s
         while True:
-            before = self._cpu(router, workers)
+            before = stage.cpu()
             await asyncio.sleep(1.0)
-            foreign = cpu_share(before, self._cpu(router, workers), 1.0)["foreign_cores"]
+            foreign = cpu_share(before, stage.cpu(), 1.0)["foreign_cores"]
             if foreign < FOREIGN_CPU_LIMIT or time.monotonic() > deadline:
                 return foreign
 
-    async def run_guarded(
-        self,
-        session: aiohttp.ClientSession,
-        scenario: Scenario,
-        router: fleet.RunningRouter,
-        workers: fleet.SimWorkers,
-        fraction: float,
-    ) -> RunResult:
+    async def run_guarded(self, stage: Stage, fraction: float) -> RunResult:
         """`run_one`, repeated when other processes took more than `FOREIGN_CPU_LIMIT` cores or
         the machine was nearly saturated (`least_disturbed`)."""
 
         async def attempt() -> RunResult:
-            quiet = await self.wait_quiet(router, workers)
-            result = await self.run_one(session, scenario, router, workers, fraction)
+            quiet = await self.wait_quiet(stage)
+            result = await self.run_one(stage, fraction)
             result.extra["foreign_cores_before"] = round(quiet, 3)
             return result
 
@@ -340,10 +343,11 @@ class Bench:
     ) -> None:
         spec = fleet.ROUTERS[name]
         router = fleet.RunningRouter(spec, self.procs, workers.urls, self.router_settings)
+        stage = Stage(session, scenario, workers, router)
         try:
             await router.ready()
             while (fraction := self._next(done)) is not None:
-                result = await self.run_guarded(session, scenario, router, workers, fraction)
+                result = await self.run_guarded(stage, fraction)
                 done[fraction] = result
                 self.results.append(result)
                 self.on_result()
@@ -352,80 +356,42 @@ class Bench:
             router.stop()
 
 
-# This machine is shared (2 cores): a run during which other processes took more than this many
-# cores, or the whole machine was nearly saturated, is run again (at most RETRIES times).
-FOREIGN_CPU_LIMIT = 0.5
-MACHINE_BUSY_LIMIT = 0.9
-RETRIES = 2
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
 
 
-async def least_disturbed(
-    attempt: Callable[[], typing.Awaitable[T]],
-    cpu_of: Callable[[T], dict[str, float]],
-    busy_limit: float,
-) -> tuple[T, int]:
-    """Runs `attempt` until one was not disturbed (at most `1 + RETRIES` times): other
-    processes took at most `FOREIGN_CPU_LIMIT` cores and the machine was at most `busy_limit`
-    busy (`cpu_share` figures). Returns the least disturbed attempt and how many were made.
-    Real vLLM saturates two cores by itself, so its check passes a `busy_limit` of 1."""
-
-    def disturbed(result: T) -> bool:
-        cpu = cpu_of(result)
-        return cpu["foreign_cores"] > FOREIGN_CPU_LIMIT or cpu["machine_util"] > busy_limit
-
-    attempts: list[T] = []
-    for _ in range(1 + RETRIES):
-        attempts.append(await attempt())
-        cpu = cpu_of(attempts[-1])
-        if not disturbed(attempts[-1]):
-            break
-        print(
-            f"  (other processes used {cpu['foreign_cores']:.2f} cores, machine "
-            f"{cpu['machine_util']:.0%} busy: again)"
-        )
-    best = min(attempts, key=lambda r: (disturbed(r), cpu_of(r)["foreign_cores"]))
-    return best, len(attempts)
-
-
-def cpu_share(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float]:
-    """Cores used by each part between two `_cpu` samples, the machine's utilisation, and the
-    cores taken by everything else on the machine (`foreign_cores`)."""
-    ours = {k: (after[k] - before[k]) / wall for k in before if not k.startswith("_")}
-    total = max(1.0, after["_total"] - before["_total"])
-    utilisation = (after["_busy"] - before["_busy"]) / total
-    cores = utilisation * (os.cpu_count() or 1)
-    out = {k: round(v, 3) for k, v in ours.items()}
-    out["machine_util"] = round(utilisation, 3)
-    out["foreign_cores"] = round(max(0.0, cores - sum(ours.values())), 3)
-    return out
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"], capture_output=True, text=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" (src/ modified)" if dirty else "")
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    floats = lambda s: tuple(float(x) for x in s.split(",") if x)  # noqa: E731
-    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.routing", description=__doc__.split("\n\n")[0]
     )
+    _add_selection_arguments(parser)
+    _add_plan_arguments(parser)
+    _add_fleet_arguments(parser)
+    _add_output_arguments(parser)
+    _add_vllm_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    _fill_defaults(args)
+    return args
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs: the engine, and which routers in which scenarios."""
     parser.add_argument("--engine", choices=["sim", "vllm"], default="sim")
     parser.add_argument("--quick", action="store_true", help="a ~5 minute smoke run")
-    parser.add_argument("--routers", type=names, help=f"from {', '.join(ALL_ROUTERS)}")
-    parser.add_argument("--scenarios", type=names, default=["a", "b", "c"])
-    parser.add_argument("--fractions", type=floats, help="fractions of capacity always run")
-    parser.add_argument("--fixed", type=floats, help="fractions tabulated (default: --fractions)")
-    parser.add_argument("--e2e", type=floats, help="fractions where E2E is measured too")
+    parser.add_argument("--routers", type=_names, help=f"from {', '.join(ALL_ROUTERS)}")
+    parser.add_argument("--scenarios", type=_names, default=["a", "b", "c"])
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep of each (scenario, router) pair: `Plan`'s fields."""
+    parser.add_argument("--fractions", type=_floats, help="fractions of capacity always run")
+    parser.add_argument("--fixed", type=_floats, help="fractions tabulated (default: --fractions)")
+    parser.add_argument("--e2e", type=_floats, help="fractions where E2E is measured too")
     parser.add_argument("--extra", type=int, help="adaptive runs per (scenario, router)")
     parser.add_argument("--resolution", type=float, default=0.1)
     parser.add_argument("--max-fraction", type=float, default=1.3)
@@ -435,6 +401,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=float, help="measured engine seconds")
     parser.add_argument("--ttft-tail-cap", type=float, default=5.0, help="engine seconds")
     parser.add_argument("--e2e-tail-cap", type=float, default=35.0, help="engine seconds")
+
+
+def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workers and routers: capacity, the scenarios' skew, router settings, the seed."""
     parser.add_argument(
         "--worker-capacity",
         type=float,
@@ -452,11 +422,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--gateway-arg", action="append", default=[], help="extra argument for `serve`"
     )
     parser.add_argument("--seed", type=int, default=1)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="results JSON (default under results/)")
     parser.add_argument(
         "--resume", action="store_true", help="keep the runs of an interrupted suite (.partial)"
     )
     parser.add_argument("--no-plots", action="store_true")
+
+
+def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """`vllm_real.py`'s settings."""
     real = parser.add_argument_group("--engine vllm (real vLLM on CPU, 2 workers)")
     real.add_argument("--vllm-load", type=float, default=0.45, help="fraction of capacity")
     real.add_argument(
@@ -484,8 +461,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra argument for each vLLM server (e.g. --vllm-server-arg=--max-num-seqs=4)",
     )
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Defaults that depend on `--quick` and `--engine`, for what the command line left unset."""
     quick = args.quick
     defaults: dict[str, Any] = {
         "fractions": (0.6, 0.95) if quick else (0.85, 0.95),
@@ -507,7 +486,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         stem = "routing_vllm" if args.engine == "vllm" else "routing"
         args.out = RESULTS / (f"{stem}_quick.json" if quick else f"{stem}.json")
-    return args
 
 
 def _stop_on_sigterm() -> None:
@@ -525,10 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     if args.engine == "vllm":
-        from . import vllm_real
-
         return vllm_real.main(args)
-    plan = Plan(
+    return run_suite(args)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    return Plan(
         time_scale=args.time_scale,
         warmup_s=args.warmup,
         window_s=args.window,
@@ -543,74 +523,103 @@ def main(argv: Sequence[str] | None = None) -> int:
         slo_ms=args.slo_ms,
         seed=args.seed,
     )
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
     routers, missing = available_routers(args.routers)
     if missing:
         print(f"skipped (not available in this tree/machine): {', '.join(missing)}")
     table = scenarios(args.slow_speed, args.direct_share)
     chosen = [table[key] for key in args.scenarios]
-    mix = workload.Mix(model=fleet.MODEL)
-    bench = Bench(args, plan, mix)
-    partial = args.out.with_suffix(".partial.json")
-    commit_at_start = git_commit()
-    started = time.time()
-    if args.resume and partial.exists():
-        previous = json.loads(partial.read_text())
-        bench.results = [RunResult(**run) for run in previous["runs"]]
-        started -= previous.get("wall_time_s", 0.0)
-        print(f"resuming with {len(bench.results)} runs from {partial}")
+    bench = Bench(args, plan, workload.Mix(model=fleet.MODEL))
+    suite = SuiteResults(args, bench, chosen, routers, missing)
+    suite.resume()
+    bench.on_result = suite.save_partial
+    try:
+        uvloop.run(bench.run(chosen, routers))
+    finally:
+        bench.procs.stop_all()
+    suite.save_final()
+    return 0
 
-    def document() -> dict[str, Any]:
+
+@dataclass
+class SuiteResults:
+    """The suite's results document: saved after every run (`.partial.json`, which `--resume`
+    reads back) and, with its summary, Markdown and plots, at the end."""
+
+    args: argparse.Namespace
+    bench: Bench
+    chosen: list[Scenario]
+    routers: list[str]
+    missing: list[str]
+    commit_at_start: str = field(default_factory=git_commit)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def partial(self) -> Path:
+        path: Path = self.args.out.with_suffix(".partial.json")
+        return path
+
+    def resume(self) -> None:
+        if not (self.args.resume and self.partial.exists()):
+            return
+        previous = json.loads(self.partial.read_text())
+        self.bench.results = [RunResult(**run) for run in previous["runs"]]
+        self.started -= previous.get("wall_time_s", 0.0)
+        print(f"resuming with {len(self.bench.results)} runs from {self.partial}")
+
+    def document(self) -> dict[str, Any]:
         return {
-            "command": "python -m benchmarks.routing " + " ".join(args.argv),
-            "git_commit": commit_at_start,
+            "command": "python -m benchmarks.routing " + " ".join(self.args.argv),
+            "git_commit": self.commit_at_start,
             "git_commit_at_end": git_commit(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "wall_time_s": round(time.time() - started, 1),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "wall_time_s": round(time.time() - self.started, 1),
             "machine": {
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "platform": platform.platform(),
             },
-            "settings": {
-                "units": "engine time: wall durations / time_scale, rates x time_scale "
-                "(load generator lag and CPU in wall time)",
-                "plan": asdict(plan),
-                "worker_capacity_rps": round(bench.worker_capacity, 3),
-                "scenarios": {s.name: asdict(s) for s in chosen},
-                "routers": {name: asdict(fleet.ROUTERS[name]) for name in routers},
-                "skipped_routers": missing,
-                "mix": asdict(replace(mix)),
-                "mix_per_page": workload.describe(mix),
-                "dp_interval_s": args.dp_interval,
-                "seed": args.seed,
-                "gateway_args": args.gateway_arg,
-                "gateway_defaults": gateway_defaults(),
-                "vllm_router": fleet.find_vllm_router(),
-            },
-            "runs": [asdict(r) for r in bench.results],
+            "settings": self.settings(),
+            "runs": [asdict(r) for r in self.bench.results],
         }
 
-    def save_partial() -> None:
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(document(), indent=1) + "\n")
+    def settings(self) -> dict[str, Any]:
+        args, bench = self.args, self.bench
+        return {
+            "units": "engine time: wall durations / time_scale, rates x time_scale "
+            "(load generator lag and CPU in wall time)",
+            "plan": asdict(bench.plan),
+            "worker_capacity_rps": round(bench.worker_capacity, 3),
+            "scenarios": {s.name: asdict(s) for s in self.chosen},
+            "routers": {name: asdict(fleet.ROUTERS[name]) for name in self.routers},
+            "skipped_routers": self.missing,
+            "mix": asdict(replace(bench.mix)),
+            "mix_per_page": workload.describe(bench.mix),
+            "dp_interval_s": args.dp_interval,
+            "seed": args.seed,
+            "gateway_args": args.gateway_arg,
+            "gateway_defaults": gateway_defaults(),
+            "vllm_router": fleet.find_vllm_router(),
+        }
 
-    bench.on_result = save_partial
-    try:
-        import uvloop
+    def save_partial(self) -> None:
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self.partial.write_text(json.dumps(self.document(), indent=1) + "\n")
 
-        uvloop.run(bench.run(chosen, routers))
-    finally:
-        bench.procs.stop_all()
-    final = document()
-    final["summary"] = report.summarise_document(final)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(final, indent=1) + "\n")
-    partial.unlink(missing_ok=True)
-    markdown = report.markdown(final)
-    args.out.with_suffix(".md").write_text(markdown)
-    if not args.no_plots:
-        with contextlib.suppress(ImportError):
-            report.plots(final, args.out.parent, args.out.stem)
-    print(markdown)
-    print(f"wall time {final['wall_time_s'] / 60:.1f} min; results in {args.out}")
-    return 0
+    def save_final(self) -> None:
+        out: Path = self.args.out
+        final = self.document()
+        final["summary"] = report.summarise_document(final)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(final, indent=1) + "\n")
+        self.partial.unlink(missing_ok=True)
+        markdown = report.markdown(final)
+        out.with_suffix(".md").write_text(markdown)
+        if not self.args.no_plots:
+            with contextlib.suppress(ImportError):
+                report.plots(final, out.parent, out.stem)
+        print(markdown)
+        print(f"wall time {final['wall_time_s'] / 60:.1f} min; results in {out}")

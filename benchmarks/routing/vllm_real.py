@@ -33,17 +33,18 @@ from typing import Any
 
 import aiohttp
 
+from mineru_gateway.testing import (
+    omp_bind_env,
+    start_vllm_server,
+    vllm_python_from_env,
+    wait_until_async,
+)
+
 from . import fleet, loadgen, workload
+from .runs import cpu_share, git_commit, least_disturbed
 from .stats import percentile, summarise
-from .suite import cpu_share, least_disturbed
 
 POLICIES = ("round_robin", "queue")
-
-
-def _load_vllm_support() -> Any:
-    from tests.support import vllm_server
-
-    return vllm_server
 
 
 async def success_counts(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[float]:
@@ -72,14 +73,12 @@ async def routed_counts(
 async def wait_idle(
     session: aiohttp.ClientSession, urls: Sequence[str], limit_s: float = 120
 ) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
+    async def idle() -> bool:
         counts = await asyncio.gather(*(fleet.metrics_counts(session, url) for url in urls))
         busy = sum(c["vllm:num_requests_running"] + c["vllm:num_requests_waiting"] for c in counts)
-        if busy == 0:
-            return
-        await asyncio.sleep(0.2)
-    raise TimeoutError("vLLM workers not idle")
+        return busy == 0
+
+    await wait_until_async(idle, limit_s, "vLLM workers idle", poll=0.2)
 
 
 VLLM_DEFAULT_MAX_NUM_SEQS = 16  # vLLM's default on CPU
@@ -199,14 +198,11 @@ async def one_case(
 
 
 async def run(args: argparse.Namespace, mix: workload.Mix) -> dict[str, Any]:
-    support = _load_vllm_support()
-    python = support.vllm_python_from_env()
+    python = vllm_python_from_env()
     model = args.vllm_model
     procs = fleet.Processes(fleet.temp_log_dir())
     servers = [
-        support.start_vllm_server(
-            python, model, extra_args=args.vllm_server_arg, env=support.omp_bind_env(i, 2)
-        )
+        start_vllm_server(python, model, extra_args=args.vllm_server_arg, env=omp_bind_env(i, 2))
         for i in range(2)
     ]
     document: dict[str, Any] = {"cases": []}
@@ -349,8 +345,6 @@ def _shift_check(
 
 
 def main(args: argparse.Namespace) -> int:
-    from .suite import git_commit
-
     args.vllm_model = str(Path(args.vllm_model).expanduser())
     if not (Path(args.vllm_model) / "config.json").is_file():
         raise SystemExit(f"{args.vllm_model} is not a model directory: run `make small-model`")

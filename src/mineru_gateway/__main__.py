@@ -2,6 +2,6 @@
 
 import sys
 
-from mineru_gateway.cli import main
+from mineru_gateway.entry.cli import main
 
 sys.exit(main())

@@ -1,14 +1,18 @@
 """The gateway's settings: one frozen model, and the only code that reads the environment.
 
 Every setting can be given as a `MINERU_GATEWAY_<NAME>` environment variable or as the matching
-`--<name>` flag of `mineru-gateway serve` (flags win). Lists take comma-separated values.
+`--<name>` flag of `mineru-gateway serve` (flags win). Lists take comma-separated values; tenants
+take JSON, or a TOML/JSON file (`tenants_file`), read here too, once, when settings are built.
 """
 
 from __future__ import annotations
 
+import json
+import tomllib
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mineru_gateway.routing import RoutingPolicyName
@@ -23,6 +27,49 @@ def _split_csv(value: Any) -> Any:
     if isinstance(value, str):
         return [item.strip() for item in value.split(",") if item.strip()]
     return value
+
+
+def _json_object(value: Any) -> Any:
+    if isinstance(value, str):
+        return json.loads(value) if value.strip() else {}
+    return value
+
+
+class TenantConfig(BaseModel):
+    """One tenant of the flow control (issue 13): its API keys, its share and its limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keys: list[str] = Field(default_factory=list, description="API keys that are this tenant.")
+    key_files: list[Path] = Field(
+        default_factory=list,
+        description="Files holding more of its keys, one per line (Docker/Kubernetes secrets).",
+    )
+    weight: float = Field(1.0, gt=0, description="Share of the fleet against other tenants.")
+    priority: int = Field(0, description="Priority of requests that name none (lower first).")
+    min_priority: int | None = Field(
+        None,
+        description="The most urgent priority its requests may ask for; default: `priority` "
+        "(a tenant may mark work as background, not jump ahead of others).",
+    )
+    max_queued: int | None = Field(None, ge=0, description="Requests it may have queued.")
+    max_queued_bytes: int | None = Field(None, ge=0, description="Bytes it may have queued.")
+    max_in_flight: int | None = Field(None, ge=1, description="Requests it may have on workers.")
+
+    def all_keys(self) -> list[str]:
+        keys = list(self.keys)
+        for path in self.key_files:
+            keys.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
+        return keys
+
+
+def read_tenants_file(path: Path) -> dict[str, TenantConfig]:
+    """`[tenants.NAME]` tables of a TOML file, or a JSON object `{"NAME": {...}}`."""
+    text = path.read_text()
+    raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text).get("tenants", {})
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: tenants must be a table/object of tenant names")
+    return {name: TenantConfig.model_validate(table) for name, table in raw.items()}
 
 
 class GatewaySettings(BaseSettings):
@@ -137,6 +184,67 @@ class GatewaySettings(BaseSettings):
         "routing (a worker busy with a full batch answers /health late); a refused connection "
         "or an error answer takes it out at once.",
     )
+    flow_control: bool = Field(
+        True,
+        description="Hold requests in the gateway's own fair queue until a worker has room "
+        "(backpressure, fair sharing between API keys, priorities); off: forward at once.",
+    )
+    tenants: Annotated[dict[str, TenantConfig], NoDecode] = Field(
+        default_factory=dict,
+        description='Named tenants as JSON: {"batch": {"keys": ["k1"], "weight": 1, '
+        '"priority": 0, "max_queued": 2000, "max_in_flight": 200}}. Without them every '
+        "API key is its own tenant with equal weight; without API keys there is one tenant.",
+    )
+    tenants_file: Path | None = Field(
+        None,
+        description="A TOML ([tenants.NAME] tables) or JSON file of tenants; `tenants` entries "
+        "of the same name win. Their keys are accepted API keys too.",
+    )
+    tenant_max_queued: int | None = Field(
+        None, ge=0, description="Queued requests a tenant without its own limit may have."
+    )
+    tenant_max_queued_bytes: int | None = Field(
+        None, ge=0, description="Queued bytes a tenant without its own limit may have."
+    )
+    tenant_max_in_flight: int | None = Field(
+        None, ge=1, description="Requests on workers a tenant without its own limit may have."
+    )
+    max_queued: int = Field(
+        4096,
+        ge=0,
+        description="Requests the gateway queues in all; past it the newest request of the "
+        "tenant holding most of the queue gets 429.",
+    )
+    max_queued_bytes: int = Field(
+        2048 * MIB, ge=0, description="Request bytes the gateway queues in all (page images)."
+    )
+    max_queue_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest wait in the gateway's queue before 429 (MinerU's client gives up "
+        "after 600 s and sends again).",
+    )
+    batch_limit: int | None = Field(
+        None,
+        ge=1,
+        description="Each worker's running batch (vLLM --max-num-seqs); learnt from the workers' "
+        "metrics when unset (256, vLLM's default, until then).",
+    )
+    batch_headroom: float = Field(
+        0.1,
+        ge=0,
+        description="Requests allowed to wait on a worker beyond its batch, as a share of it: "
+        "continuous batching fills its steps from a few waiting requests.",
+    )
+    pass_priority: bool = Field(
+        False,
+        description="Forward each request's effective priority to the workers (start them with "
+        "vLLM's --scheduling-policy priority). Off: the gateway orders by priority itself and "
+        "removes the field, which vLLM's default fcfs policy rejects when non-zero.",
+    )
+    priority_header: str = Field(
+        "x-priority", description="Header a client may set its priority in (lower first)."
+    )
     npu_smi: str = Field(
         "off",
         description="NPU telemetry in /metrics: off, auto (npu-smi on PATH), or npu-smi's path.",
@@ -150,6 +258,17 @@ class GatewaySettings(BaseSettings):
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 
     _split_lists = field_validator("workers", "worker_dns", "api_keys", mode="before")(_split_csv)
+    _tenants_json = field_validator("tenants", mode="before")(_json_object)
+    _all_tenants: dict[str, TenantConfig] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any) -> None:
+        from_file = read_tenants_file(self.tenants_file) if self.tenants_file else {}
+        self._all_tenants = from_file | dict(self.tenants)
+
+    @property
+    def tenant_configs(self) -> dict[str, TenantConfig]:
+        """Tenants from `tenants_file` and `tenants`, by name."""
+        return dict(self._all_tenants)
 
     @field_validator("workers", "worker_dns")
     @classmethod

@@ -192,6 +192,35 @@ class GatewayMetrics:
             ("worker", "reason"),
         )
     )
+    queue_wait: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_queue_wait_seconds",
+            "Time admitted requests waited in the gateway's queue for room on a worker.",
+            ("tenant",),
+            OVERHEAD_BUCKETS,
+        )
+    )
+    rejections: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_rejections",
+            "Requests flow control refused (429) or could not place (503), by tenant and reason.",
+            ("tenant", "reason"),
+        )
+    )
+    tenant_requests: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_tenant_requests",
+            "Requests finished, by tenant and HTTP status.",
+            ("tenant", "status"),
+        )
+    )
+    tenant_tokens: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_tenant_tokens",
+            "Prompt and completion tokens of finished requests, by tenant.",
+            ("tenant", "kind"),
+        )
+    )
 
     def own(self) -> Iterable[Counter | Histogram]:
         return (
@@ -205,21 +234,35 @@ class GatewayMetrics:
             self.routing_decisions,
             self.retries,
             self.ejections,
+            self.queue_wait,
+            self.rejections,
+            self.tenant_requests,
+            self.tenant_tokens,
         )
 
 
+@dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """The gateway's queue at scrape time, per (tenant, priority label)."""
+
+    queued: dict[tuple[str, str], tuple[int, int]]  # -> (requests, bytes)
+    in_flight: dict[str, int]  # tenant -> requests on workers
+
+
 class GatewayCollector(Collector):
-    """Exports `GatewayMetrics` plus worker gauges read from the registry at scrape time."""
+    """Exports `GatewayMetrics` plus worker and queue gauges read at scrape time."""
 
     def __init__(
         self,
         metrics: GatewayMetrics,
         workers: Callable[[], Iterable[WorkerGauges]],
         policy: str,
+        queue: Callable[[], QueueGauges] | None = None,
     ) -> None:
         self._metrics = metrics
         self._workers = workers
         self._policy = policy
+        self._queue = queue
         self._started = time.time()
 
     def collect(self) -> Iterator[Metric]:
@@ -235,6 +278,8 @@ class GatewayCollector(Collector):
         for metric in self._metrics.own():
             yield metric.collect()
         yield from _worker_families(list(self._workers()))
+        if self._queue is not None:
+            yield from _queue_families(self._queue())
 
 
 _WORKER_GAUGES: tuple[tuple[str, str, Callable[[WorkerGauges], float | None]], ...] = (
@@ -260,3 +305,24 @@ def _worker_families(workers: list[WorkerGauges]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([worker.worker], value)
         yield family
+
+
+def _queue_families(queue: QueueGauges) -> Iterator[Metric]:
+    labels = ["tenant", "priority"]
+    requests = GaugeMetricFamily(
+        "mineru_gateway_queue_requests", "Requests waiting in the gateway's queue.", labels=labels
+    )
+    size = GaugeMetricFamily(
+        "mineru_gateway_queue_bytes", "Request bytes waiting in the gateway's queue.", labels=labels
+    )
+    for (tenant, priority), (count, queued_bytes) in sorted(queue.queued.items()):
+        requests.add_metric([tenant, priority], count)
+        size.add_metric([tenant, priority], queued_bytes)
+    in_flight = GaugeMetricFamily(
+        "mineru_gateway_tenant_requests_in_flight",
+        "Requests of each tenant on workers.",
+        labels=["tenant"],
+    )
+    for tenant, count in sorted(queue.in_flight.items()):
+        in_flight.add_metric([tenant], count)
+    yield from (requests, size, in_flight)

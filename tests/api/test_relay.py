@@ -33,7 +33,7 @@ def test_body_reaches_worker_byte_for_byte_with_unknown_fields(
             skip_special_tokens=False,
             top_k=1,
             repetition_penalty=1.05,
-            priority=3,
+            priority=0,
             temperature=0.0,
         )
     )
@@ -43,6 +43,28 @@ def test_body_reaches_worker_byte_for_byte_with_unknown_fields(
     assert response.status_code == 200
     assert response.json()["sha256"] == hashlib.sha256(body).hexdigest()
     assert response.json()["received"]["vllm_xargs"] == {"no_repeat_ngram_size": 100}
+
+
+@pytest.mark.parametrize(
+    ("pass_priority", "sent", "forwarded"), [(False, 3, None), (True, 3, 3), (True, None, None)]
+)
+def test_priority_reaches_workers_only_when_they_schedule_by_it(
+    scripted: tuple[Script, str],
+    start_gateway: StartGateway,
+    pass_priority: bool,
+    sent: int | None,
+    forwarded: int | None,
+) -> None:
+    """vLLM's default fcfs policy answers 400 to a non-zero priority: the gateway honours it
+    itself and removes it, unless the workers run `--scheduling-policy priority`."""
+    _script, worker = scripted
+    gateway = start_gateway([worker], pass_priority=pass_priority)
+    extra = {} if sent is None else {"priority": sent}
+    response = httpx.post(gateway + CHAT, json=chat_body(top_k=1, **extra))
+    assert response.status_code == 200
+    received = response.json()["received"]
+    assert received.get("priority") == forwarded
+    assert received["top_k"] == 1
 
 
 def test_ten_megabyte_image_body_passes(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 import httpx
 
+from mineru_gateway.testing import wait_until_async
 from tests.conftest import StartGateway, StartSim
 from tests.support.workers import Script
 
@@ -41,6 +43,13 @@ async def closed_loop(url: str, streams: int, tokens: int, seconds: float) -> No
         await asyncio.gather(*(loop(client) for _ in range(streams)))
 
 
+async def sees_direct_load(client: httpx.AsyncClient, gateway: str, worker: str) -> bool:
+    """True once the gateway's last scrape of `worker` shows the 12 direct streams."""
+    listing = (await client.get(gateway + "/v1/workers")).json()
+    [reported] = [w["reported"] for w in listing["workers"] if w["url"] == worker]
+    return reported is not None and reported["running"] + reported["waiting"] >= 12
+
+
 def completed(worker: str) -> int:
     state = httpx.get(worker + "/sim/state").json()
     return int(state["completed"])
@@ -67,7 +76,8 @@ async def test_load_sent_straight_to_a_worker_pushes_gateway_traffic_elsewhere(
     async with httpx.AsyncClient(timeout=60) as client:
         # Long generations sent directly to one worker, bypassing the gateway.
         direct = [asyncio.create_task(stream_once(client, busy, 400)) for _ in range(12)]
-        await asyncio.sleep(0.5)  # a few load scrapes
+        seen = partial(sees_direct_load, client, gateway, busy)
+        await wait_until_async(seen, 10, "the gateway seeing the direct load", poll=0.02)
         for _ in range(20):
             await stream_once(client, gateway, 5)
         for task in direct:
@@ -101,11 +111,12 @@ async def test_a_request_weighs_its_prompt_only_until_the_first_byte_of_its_answ
             assert await cost_on_worker(client) == (1, 1.0)  # prefilled: one batch slot
             script.mode = "hang"  # a non-streaming answer: its first byte is the whole answer
             waiting = asyncio.create_task(client.post(gateway + CHAT, json=long_prompt))
-            for _ in range(250):  # until the gateway has sent it (at most ~5 s)
-                if (state := await cost_on_worker(client))[0] == 2:
-                    break
-                await asyncio.sleep(0.02)
-            assert state[0] == 2
+
+            async def both_on_worker() -> tuple[int, float] | None:
+                state = await cost_on_worker(client)
+                return state if state[0] == 2 else None
+
+            state = await wait_until_async(both_on_worker, 5, "the second request sent", poll=0.02)
             assert 2.8 <= state[1] <= 3.2  # 1 + (1 slot + ~1 of queued prefill)
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mineru_gateway.cli import build_parser
+from mineru_gateway.entry.cli import build_parser
 from tests.deploy.support import PROMETHEUS_YML, ROOT
 from tests.deploy.worker_image import DOCKER_DIR, command_in, use_worker_image_env
 

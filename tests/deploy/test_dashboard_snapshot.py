@@ -16,8 +16,8 @@ from benchmarks.dashboard_snapshot import (
     variable_defaults,
 )
 
+from mineru_gateway.testing import free_port
 from tests.deploy.support import DASHBOARDS
-from tests.support.servers import free_port
 
 
 def test_substitute_replaces_variables_as_grafana_does() -> None:

@@ -38,9 +38,10 @@ def variables(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def test_the_four_dashboards() -> None:
+def test_the_five_dashboards() -> None:
     uids = [load(path)["uid"] for path in DASHBOARDS]
-    assert [path.stem for path in DASHBOARDS] == ["gateway-internals", "npu", "overview", "workers"]
+    stems = [path.stem for path in DASHBOARDS]
+    assert stems == ["gateway-internals", "npu", "overview", "tenants", "workers"]
     assert len(set(uids)) == len(uids)
 
 

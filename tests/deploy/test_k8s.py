@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mineru_gateway.cli import build_parser
+from mineru_gateway.entry.cli import build_parser
 from mineru_gateway.workers.launcher import VllmOptions, build_vllm_command
 from tests.deploy.support import ROOT
 from tests.deploy.worker_image import command_in, use_worker_image_env

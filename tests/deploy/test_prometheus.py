@@ -21,9 +21,12 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from benchmarks.dashboard_snapshot import (
     Prometheus,
@@ -40,6 +43,7 @@ from mineru_gateway.config import GatewaySettings
 from mineru_gateway.sim import SimConfig, create_sim_app
 from mineru_gateway.sim.config import DEFAULT_MODEL_NAME
 from mineru_gateway.telemetry import create_exporter_app
+from mineru_gateway.testing import wait_http_ok, wait_until
 from tests.deploy.support import (
     DASHBOARDS,
     PROMETHEUS_YML,
@@ -50,9 +54,12 @@ from tests.deploy.support import (
     tool,
 )
 from tests.support.npu_smi_stub import install_npu_smi
-from tests.support.servers import ServerThread, serve, wait_http_ok, wait_until
+from tests.support.servers import ServerThread, serve
 
 LOAD_S = 12.0
+BURST = 40  # concurrent requests after the load: more than the workers and the queue hold
+BURST_BATCH = 1  # with the minimum headroom of 2, three requests per worker
+BURST_QUEUE = 4
 CONCURRENCY = 8
 STOP_WORKER_AT = 0.6
 RATE_INTERVAL = "1m"
@@ -78,12 +85,33 @@ class Stack:
             "worker": self.workers[0],
             "instance": self.exporter.removeprefix("http://"),
             "npu": "0",
+            "tenant": "default",
         }
+
+
+async def send_burst(gateway: str, count: int) -> dict[int, int]:
+    """`count` concurrent requests at once; their statuses, counted."""
+    body = {"messages": [{"role": "user", "content": "\nText Recognition:"}], "max_tokens": 32}
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as client:
+        sends = [client.post("/v1/chat/completions", json=body) for _ in range(count)]
+        responses = await asyncio.gather(*sends)
+    statuses: dict[int, int] = {}
+    for response in responses:
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+    return statuses
 
 
 def targets_up(prometheus: Prometheus, expected: int) -> bool:
     active = prometheus.get("/api/v1/targets", {"state": "active"})["activeTargets"]
     return len(active) == expected and all(t["health"] == "up" for t in active)
+
+
+def scraped_and_evaluated_after(prometheus: Prometheus, moment: float) -> bool:
+    """Every target scraped, and every rule group evaluated, after `moment` (Unix time)."""
+    targets = prometheus.get("/api/v1/targets", {"state": "active"})["activeTargets"]
+    groups = prometheus.get("/api/v1/rules")["groups"]
+    times = [t["lastScrape"] for t in targets] + [g["lastEvaluation"] for g in groups]
+    return all(datetime.fromisoformat(t).timestamp() > moment for t in times)
 
 
 def pending_alerts(prometheus: Prometheus, worker: str) -> set[str]:
@@ -102,8 +130,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             servers.callback(sim.stop)
         # Health probes only at start: the stopped worker is then found by the refused
         # connections of requests routed to it (a retry and an ejection), never by a probe.
+        # A small batch and tenant queue, so that the burst after the load queues requests and
+        # sheds some (429): the tenants dashboard's panels then have data too.
         settings = GatewaySettings(
-            workers=workers, port=0, health_interval_s=60, log_level="warning"
+            workers=workers,
+            port=0,
+            health_interval_s=60,
+            log_level="warning",
+            batch_limit=BURST_BATCH,
+            tenant_max_queued=BURST_QUEUE,
         )
         gateway = servers.enter_context(serve(create_app(settings)))
         devices = dict(enumerate(workers))
@@ -130,9 +165,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 at_fraction=(STOP_WORKER_AT, sims[-1].stop),
             )
         )
+        burst = asyncio.run(send_burst(gateway, BURST))
+        assert burst.get(429, 0) > 0 and burst.get(200, 0) > BURST_QUEUE, burst
+        load_ended = time.time()
         wanted = {"MineruWorkerUnhealthy", "MineruWorkerMetricsDown"}
         wait_until(lambda: pending_alerts(prometheus, workers[-1]) >= wanted, 15, "alerts")
-        time.sleep(2)  # two more scrapes and rule evaluations after the load's last requests
+        # Two more scrapes and rule evaluations after the load's last requests (1 s intervals).
+        settled = partial(scraped_and_evaluated_after, prometheus, load_ended + 1.0)
+        wait_until(settled, 15, "scrapes and rule evaluations after the load")
         yield Stack(prometheus, gateway, workers, workers[-1], exporter, dict(result.statuses))
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mineru_gateway.cli import build_parser
+from mineru_gateway.entry.cli import build_parser
 from mineru_gateway.workers.launcher import WorkerCommand, worker_command_from_args
 from tests.deploy.support import ROOT
 

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.sim import SimConfig, create_sim_app
+from mineru_gateway.testing import wait_until_async
 from tests.support.servers import serve
 
 CHAT = "/v1/chat/completions"
@@ -30,13 +31,13 @@ def url() -> Iterator[str]:
 async def wait_for_state(
     client: httpx.AsyncClient, check: Callable[[dict[str, Any]], bool]
 ) -> dict[str, Any]:
-    """Polls /sim/state until `check` holds (the test's timeout bounds the wait)."""
-    async with asyncio.timeout(10.0):
-        while True:
-            state: dict[str, Any] = (await client.get("/sim/state")).json()
-            if check(state):
-                return state
-            await asyncio.sleep(0.02)
+    """Polls /sim/state until `check` holds."""
+
+    async def state_that_holds() -> dict[str, Any] | None:
+        state: dict[str, Any] = (await client.get("/sim/state")).json()
+        return state if check(state) else None
+
+    return await wait_until_async(state_that_holds, 10.0, "sim state", poll=0.02)
 
 
 async def read_first_event(client: httpx.AsyncClient, opened: asyncio.Event) -> None:

@@ -8,24 +8,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import httpx
 import uvicorn
 
+from mineru_gateway.testing import free_port, wait_until
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+# free_port and wait_until live in mineru_gateway.testing; tests/api/test_relay.py imports
+# them from here.
+__all__ = ["CliProcess", "ServerThread", "free_port", "serve", "wait_for_series", "wait_until"]
 
 
 class ServerThread:
@@ -48,12 +45,13 @@ class ServerThread:
 
     def start(self, timeout: float = 20.0) -> str:
         self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
+        wait_until(self._started, timeout, "server start", poll=0.01)
         return self.url
+
+    def _started(self) -> bool:
+        if not self.server.started and not self.thread.is_alive():
+            raise RuntimeError("server did not start")
+        return self.server.started
 
     @property
     def url(self) -> str:
@@ -65,6 +63,16 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
+def wait_for_series(url: str, name: str, timeout: float = 15.0) -> str:
+    """The first /metrics body of the server at `url` that has a `name` sample."""
+
+    def body_with_series() -> str | None:
+        text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        return text if f"\n{name}{{" in text else None
+
+    return wait_until(body_with_series, timeout, f"a {name} series at {url}/metrics")
+
+
 @contextmanager
 def serve(app: Any, **config: Any) -> Iterator[str]:
     """`with serve(app) as url:` a real server for the block's duration."""
@@ -73,39 +81,6 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
         yield server.start()
     finally:
         server.stop()
-
-
-T = TypeVar("T")
-
-
-def wait_until(
-    condition: Callable[[], T], timeout: float = 5.0, what: str = "condition", poll: float = 0.05
-) -> T:
-    """Polls `condition` until it returns something truthy, and returns that."""
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(poll)
-    return found
-
-
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Polls `url` until it answers 200; fails early if `proc` exits."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
-        try:
-            response = httpx.get(url, timeout=2.0)
-            if response.status_code == 200:
-                return
-            last = response.status_code
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout} s (last: {last!r})")
 
 
 class CliProcess:

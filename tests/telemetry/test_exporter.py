@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -8,8 +7,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.telemetry.exporter import create_exporter_app, parse_device_workers
+from mineru_gateway.testing import free_port, wait_http_ok
 from tests.support.npu_smi_stub import NpuSmiStub, install_npu_smi, path_with
-from tests.support.servers import CliProcess, free_port, serve, wait_http_ok
+from tests.support.servers import CliProcess, serve, wait_for_series
 
 
 @pytest.fixture
@@ -17,17 +17,6 @@ def stub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NpuSmiStub:
     installed = install_npu_smi(tmp_path / "bin")
     monkeypatch.setenv("PATH", path_with(installed.directory))
     return installed
-
-
-def wait_for_series(url: str, name: str, timeout: float = 15.0) -> str:
-    """The first /metrics body that has a `name` sample."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{url}/metrics", timeout=5.0).text
-        if f"\n{name}{{" in text:
-            return text
-        time.sleep(0.05)
-    raise TimeoutError(f"no {name} series at {url}/metrics")
 
 
 def power_by_id(text: str) -> dict[str, float]:

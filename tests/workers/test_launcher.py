@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mineru_gateway.cli import build_parser
+from mineru_gateway.entry.cli import build_parser
 from mineru_gateway.workers.launcher import (
     HCCL_MAX_BASE_PORT,
     MINERU_LOGITS_PROCESSOR,

@@ -6,8 +6,9 @@ import pytest
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import RoundRobin
-from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
+from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry, learn_batch
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+from mineru_gateway.workers.vllm_metrics import VllmLoad
 from tests.support.workers import Script
 
 
@@ -107,3 +108,24 @@ async def test_a_worker_answering_its_probe_with_an_error_is_taken_out_at_once(
         assert "503" in (worker.last_error or "")
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    ("readings", "learnt"),
+    [
+        ([(0, 5)], 0),  # nothing waits: the batch size is not known
+        ([(3, 128), (0, 100)], 128),  # saturated at 128: that is its batch
+        ([(40, 11), (0, 13), (0, 15)], 15),  # a prefill transient, then it ran more
+        ([(5, 120), (9, 90)], 120),  # the most seen is kept (KV pressure shrinks it for a while)
+    ],
+)
+def test_a_workers_batch_size_is_learnt_from_its_reported_load(
+    readings: list[tuple[float, float]], learnt: int
+) -> None:
+    registry = registry_of("http://a:1")
+    worker = registry.workers[0]
+    for waiting, running in readings:
+        learn_batch(worker, VllmLoad(waiting, running, 0.1, 0.0, 0.0))
+    assert worker.batch_seen == learnt
+    view = registry.views()[0]
+    assert view.batch_limit == (learnt or None)

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mineru_gateway.testing import free_port, free_port_block, group_pids, wait_until_async
 from mineru_gateway.workers.launcher import build_sim_command
 from mineru_gateway.workers.supervisor import (
     ManagedWorker,
@@ -24,9 +25,6 @@ from mineru_gateway.workers.supervisor import (
     Supervisor,
     WorkerSpec,
 )
-from tests.support.ports import free_port_block
-from tests.support.servers import free_port
-from tests.support.vllm_server import group_pids
 
 FAST = RestartPolicy(
     start_timeout_s=30,
@@ -49,14 +47,6 @@ def sim_spec(name: str, *extra: str) -> WorkerSpec:
 def script_spec(name: str, code: str) -> WorkerSpec:
     """A worker that runs `code` and never answers /health (nothing listens on its port)."""
     return WorkerSpec(name, [sys.executable, "-c", code], f"http://127.0.0.1:{free_port()}")
-
-
-async def until(condition: Callable[[], bool], within_s: float, what: str) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {within_s} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 def alive(pid: int) -> bool:
@@ -152,7 +142,9 @@ async def test_a_killed_worker_is_restarted_and_serves_again(
     old_pid = victim.pid
     assert old_pid is not None
     os.killpg(old_pid, signal.SIGKILL)
-    await until(lambda: victim.restarts == 1 and victim.state == "healthy", 30, "restarted")
+    await wait_until_async(
+        lambda: victim.restarts == 1 and victim.state == "healthy", 30, "restarted"
+    )
     assert victim.pid != old_pid
     assert victim.last_reason == "exited with status -9"
     assert victim.last_delay_s == pytest.approx(FAST.backoff_s)
@@ -173,7 +165,7 @@ async def test_an_exit_is_noticed_at_once_and_stop_does_not_wait_for_a_check(
     running.groups.add(worker.pid)
     killed_at = time.monotonic()
     os.kill(worker.pid, signal.SIGKILL)
-    await until(lambda: worker.restarts == 1, 5, "restart")
+    await wait_until_async(lambda: worker.restarts == 1, 5, "restart")
     assert time.monotonic() - killed_at < 2  # not after the 60 s health interval
     await running.ready()
     began = time.monotonic()
@@ -189,7 +181,9 @@ async def test_a_worker_answering_503_is_restarted(supervise: Callable[..., Runn
     old_pid = worker.pid
     async with httpx.AsyncClient() as client:
         await client.post(worker.spec.url + "/sim/control", json={"healthy": False})
-    await until(lambda: worker.restarts == 1 and worker.state == "healthy", 30, "restarted")
+    await wait_until_async(
+        lambda: worker.restarts == 1 and worker.state == "healthy", 30, "restarted"
+    )
     assert worker.last_reason == "unhealthy: /health answered 503 (2 checks in a row)"
     assert old_pid is not None and not alive(old_pid)
     assert await health(worker) == 200
@@ -204,7 +198,9 @@ async def test_a_hung_worker_is_killed_and_restarted(supervise: Callable[..., Ru
     old_pid = worker.pid
     assert old_pid is not None
     os.kill(old_pid, signal.SIGSTOP)
-    await until(lambda: worker.restarts == 1 and worker.state == "healthy", 30, "restarted")
+    await wait_until_async(
+        lambda: worker.restarts == 1 and worker.state == "healthy", 30, "restarted"
+    )
     assert worker.last_reason is not None and "timed out" in worker.last_reason
     assert not alive(old_pid)
 
@@ -217,7 +213,7 @@ async def test_restarts_back_off_exponentially_up_to_the_cap(
     began = time.monotonic()
     await running.supervisor.start()
     worker = running.workers[0]
-    await until(lambda: worker.starts >= 5, 30, "five starts")
+    await wait_until_async(lambda: worker.starts >= 5, 30, "five starts")
     elapsed = time.monotonic() - began
     assert elapsed >= 0.1 + 0.2 + 0.4 + 0.4  # the waits before starts 2, 3, 4 and 5
     assert worker.last_delay_s == pytest.approx(0.4)
@@ -231,9 +227,9 @@ async def test_a_worker_not_healthy_within_the_start_budget_is_restarted(
     running = supervise([script_spec("slow", "import time; time.sleep(60)")], policy)
     await running.supervisor.start()
     worker = running.workers[0]
-    await until(lambda: worker.pid is not None, 10, "started")
+    await wait_until_async(lambda: worker.pid is not None, 10, "started")
     first_pid = worker.pid
-    await until(lambda: worker.starts >= 2, 30, "restart after the start budget")
+    await wait_until_async(lambda: worker.starts >= 2, 30, "restart after the start budget")
     assert worker.last_reason is not None
     assert worker.last_reason.startswith("not healthy within 0.5 s")
     assert first_pid is not None and not alive(first_pid)
@@ -247,7 +243,7 @@ async def test_a_worker_that_cannot_be_started_is_retried(
     running = supervise([spec])
     await running.supervisor.start()
     worker = running.workers[0]
-    await until(lambda: worker.starts >= 2, 10, "a second attempt")
+    await wait_until_async(lambda: worker.starts >= 2, 10, "a second attempt")
     assert worker.last_reason is not None and worker.last_reason.startswith("could not start")
 
 
@@ -279,7 +275,7 @@ async def test_worker_output_goes_to_its_file_and_prefixed_to_the_terminal(
         [script_spec("w-1", code)], log_dir=tmp_path, log_to_terminal=True, terminal=terminal
     )
     await running.supervisor.start()
-    await until(lambda: b"world" in terminal.getvalue(), 20, "output on the terminal")
+    await wait_until_async(lambda: b"world" in terminal.getvalue(), 20, "output on the terminal")
     await running.supervisor.stop()
     assert terminal.getvalue() == b"[w-1] hello\n[w-1] world\n"
     log = (tmp_path / "w-1.log").read_text()

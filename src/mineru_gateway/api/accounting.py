@@ -60,9 +60,24 @@ class ExchangeRecord:
         return None if self.first_chunk is None else self.first_chunk - self.received
 
 
+# Outcomes that are flow control's own answers (errors.py): refused, or nowhere to place it.
+FLOW_REJECTIONS = frozenset(
+    {
+        "queue_full",
+        "queue_bytes_full",
+        "tenant_queue_full",
+        "tenant_queue_bytes_full",
+        "queue_timeout",
+        "no_healthy_worker",
+        "shutting_down",
+    }
+)
+
+
 def record_metrics(metrics: GatewayMetrics, record: ExchangeRecord) -> None:
     model, worker = record.model_label, record.worker or ""
     metrics.requests.inc(record.endpoint, model, worker, record.status_label, record.outcome)
+    _record_tenant(metrics, record)
     if record.finished is not None and record.ok:
         metrics.e2e.series(model, worker).observe(record.finished - record.received)
     if record.streaming and record.ttft_s is not None:
@@ -71,6 +86,22 @@ def record_metrics(metrics: GatewayMetrics, record: ExchangeRecord) -> None:
         metrics.prompt_tokens.inc(model, worker, amount=record.prompt_tokens)
     if record.completion_tokens:
         metrics.completion_tokens.inc(model, worker, amount=record.completion_tokens)
+
+
+def _record_tenant(metrics: GatewayMetrics, record: ExchangeRecord) -> None:
+    """Per-tenant series; tenant names are bounded by the configuration (api/tenants.py)."""
+    tenant = record.tenant
+    if not tenant:
+        return  # refused before it was known whose it was (a bad key, say)
+    metrics.tenant_requests.inc(tenant, record.status_label)
+    if record.outcome in FLOW_REJECTIONS:
+        metrics.rejections.inc(tenant, record.outcome)
+    if record.worker is not None:
+        metrics.queue_wait.series(tenant).observe(record.queued_s)
+    if record.prompt_tokens is not None:
+        metrics.tenant_tokens.inc(tenant, "prompt", amount=record.prompt_tokens)
+    if record.completion_tokens:
+        metrics.tenant_tokens.inc(tenant, "completion", amount=record.completion_tokens)
 
 
 def learn_cost(cost_model: CostModel, record: ExchangeRecord) -> None:
@@ -90,6 +121,9 @@ def log_exchange(record: ExchangeRecord) -> None:
         attempts=record.attempts,
         status=record.status,
         outcome=record.outcome,
+        tenant=record.tenant or None,
+        priority=record.priority,
+        queued_ms=round(record.queued_s * 1000, 2),
         latency_ms=round((record.ended - record.received) * 1000, 2),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -20,14 +21,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mineru_gateway import __version__
-from mineru_gateway.api.auth import check_api_key
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
+from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker, ShuttingDown
-from mineru_gateway.metrics import GatewayCollector, GatewayMetrics
+from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
+from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.telemetry import (
     NpuSmiSource,
@@ -36,6 +38,7 @@ from mineru_gateway.telemetry import (
     register_npu_metrics,
 )
 from mineru_gateway.workers.discovery import DnsDiscovery
+from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -68,6 +71,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         ),
         load_interval_s=settings.load_interval_s,
         pace_weighting=settings.pace_weighting,
+        batch_limit=settings.batch_limit,
         metrics=metrics,
         rng=random.Random(),
     )
@@ -76,15 +80,43 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         decode_weight=settings.decode_weight,
         default_decode_tokens=settings.default_decode_tokens,
     )
-    context = GatewayContext(
+    return GatewayContext(
         settings=settings,
         client=client,
         registry=registry,
+        dispatcher=build_dispatcher(settings, registry, load_model),
+        tenants=TenantDirectory(settings),
         cost_model=cost_model,
         metrics=metrics,
         lifecycle=lifecycle or Lifecycle(),
     )
-    return context
+
+
+def build_dispatcher(
+    settings: GatewaySettings, registry: WorkerRegistry, load_model: LoadModel
+) -> Dispatcher:
+    queue = FairQueue(
+        QueueLimits(
+            max_queued=settings.max_queued,
+            max_queued_bytes=settings.max_queued_bytes,
+            max_wait_s=settings.max_queue_wait_s,
+        )
+    )
+    room = RoomPolicy(headroom=settings.batch_headroom, load=load_model)
+    return Dispatcher(registry, queue, room, enabled=settings.flow_control)
+
+
+def close_queue_before_deadline(context: GatewayContext) -> None:
+    """On SIGTERM: queued requests keep being served until just before the drain deadline,
+    then get 503 (uvicorn cuts whatever is left at the deadline itself)."""
+    loop = asyncio.get_running_loop()
+    drain = context.settings.drain_timeout_s
+    delay = max(0.0, drain - min(1.0, drain / 10))
+
+    def schedule_close() -> None:
+        loop.call_later(delay, context.dispatcher.close)
+
+    context.lifecycle.on_drain(schedule_close)
 
 
 def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
@@ -95,10 +127,29 @@ def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
     return NpuTelemetry(source, interval_s=settings.npu_smi_interval_s, device_workers=devices)
 
 
+def queue_gauges(context: GatewayContext) -> QueueGauges:
+    """The queue by tenant and priority label; every known tenant shows, queued or not."""
+    tenants = context.tenants
+    queued: dict[tuple[str, str], tuple[int, int]] = {
+        (name, tenants.priority_label(policy.priority)): (0, 0)
+        for name, policy in tenants.policies().items()
+    }
+    for (name, priority), (count, size) in context.dispatcher.queue.depth().items():
+        key = (name, tenants.priority_label(priority))
+        before = queued.get(key, (0, 0))
+        queued[key] = (before[0] + count, before[1] + size)
+    in_flight = dict.fromkeys(tenants.policies(), 0)
+    in_flight |= context.dispatcher.queue.in_flight_by_tenant()
+    return QueueGauges(queued, in_flight)
+
+
 def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) -> None:
     """Registers the gateway's (and the NPUs') collectors on the context's own registry."""
     collector = GatewayCollector(
-        context.metrics, context.registry.gauges, context.settings.routing_policy
+        context.metrics,
+        context.registry.gauges,
+        context.settings.routing_policy,
+        lambda: queue_gauges(context),
     )
     context.metrics_registry.register(collector)
     if telemetry is not None:
@@ -136,6 +187,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
         context = build_context(settings, lifecycle)
         telemetry = build_telemetry(settings)
         register_metrics(context, telemetry)
+        close_queue_before_deadline(context)
         discovery = DnsDiscovery(
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
@@ -228,7 +280,7 @@ class WorkerChange(BaseModel):
 
 
 def _authorized(request: Request) -> None:
-    check_api_key(_context(request).settings, request.headers.get("authorization", "").encode())
+    _context(request).tenants.authenticate(request.headers.get("authorization", "").encode())
 
 
 def _describe_workers(context: GatewayContext) -> dict[str, Any]:

@@ -5,15 +5,17 @@ Handlers reach it through one typed accessor, `gateway_context(scope)`, never by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.metrics import GatewayMetrics
+from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import UpstreamClient
 
@@ -22,12 +24,24 @@ STATE_KEY = "gateway"
 
 @dataclass(slots=True)
 class Lifecycle:
-    """Set by the server's signal handler: from then on the gateway admits no new requests."""
+    """Set by the server's signal handler: from then on the gateway admits no new requests.
+
+    `on_drain` callbacks run once, in the signal handler (on the event loop's thread): the
+    dispatcher uses it to give queued requests their 503 before the drain deadline.
+    """
 
     draining: bool = False
+    _on_drain: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        self._on_drain.append(callback)
 
     def start_draining(self) -> None:
+        if self.draining:
+            return
         self.draining = True
+        for callback in self._on_drain:
+            callback()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +49,18 @@ class GatewayContext:
     settings: GatewaySettings
     client: UpstreamClient
     registry: WorkerRegistry
+    dispatcher: Dispatcher
+    tenants: TenantDirectory
     cost_model: CostModel
     metrics: GatewayMetrics
     metrics_registry: CollectorRegistry = field(
         default_factory=lambda: CollectorRegistry(auto_describe=False)
     )
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+
+    @property
+    def priority_header(self) -> bytes:
+        return self.settings.priority_header.lower().encode("latin-1")
 
     def lifespan_state(self) -> dict[str, Any]:
         """What the lifespan yields: ASGI copies it into every request's scope["state"]."""

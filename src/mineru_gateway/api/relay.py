@@ -26,13 +26,15 @@ import orjson
 import structlog
 
 from mineru_gateway.api.accounting import ExchangeRecord, account
-from mineru_gateway.api.auth import check_api_key, upstream_authorization
+from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.api.context import GatewayContext, gateway_context
 from mineru_gateway.api.requests import (
     ClientDisconnected,
     Endpoint,
     ParsedRequest,
     Receive,
+    forward_priority,
+    header_priority,
     parse_request,
     read_body,
 )
@@ -44,6 +46,7 @@ from mineru_gateway.errors import (
     UpstreamTimeout,
 )
 from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.workers.dispatcher import Admission
 from mineru_gateway.workers.registry import SUCCESS, Lease, Outcome
 from mineru_gateway.workers.upstream import UpstreamResponse
 
@@ -77,6 +80,9 @@ class Exchange:
         self.finished: float | None = None
         self.tokens = 0  # counted from the stream
         self.usage: dict[str, Any] | None = None
+        self.tenant = ""
+        self.priority = 0
+        self.queued_s = 0.0
         self._itl: Series | None = None
 
     async def start(
@@ -131,10 +137,8 @@ class Exchange:
         else:
             await self.finish()
 
-    def record(
-        self, request: ParsedRequest | None, outcome: str, **admission: Any
-    ) -> ExchangeRecord:
-        """The finished exchange, for accounting; `admission` adds what flow control decided."""
+    def record(self, request: ParsedRequest | None, outcome: str) -> ExchangeRecord:
+        """The finished exchange, for accounting."""
         usage = self.usage or {}
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
@@ -155,7 +159,9 @@ class Exchange:
             finished=self.finished,
             completion_tokens=completion if isinstance(completion, int) else self.tokens,
             prompt_tokens=prompt if isinstance(prompt, int) else None,
-            **admission,
+            tenant=self.tenant,
+            priority=self.priority,
+            queued_s=self.queued_s,
         )
 
 
@@ -184,14 +190,29 @@ class Relay:
         try:
             if context.lifecycle.draining:
                 raise ShuttingDown("the gateway is shutting down; retry on another replica")
-            check_api_key(context.settings, headers.get(b"authorization"))
+            tenant = context.tenants.authenticate(headers.get(b"authorization"))
+            exchange.tenant = tenant.name
             body = await read_body(
                 receive, _content_length(headers), context.settings.max_body_bytes
             )
             request = parse_request(self.endpoint, body)
+            asked = request.priority
+            if asked is None:
+                asked = header_priority(headers.get(context.priority_header))
+            exchange.priority = tenant.effective_priority(asked)
+            request = forward_priority(request, exchange.priority, context.settings.pass_priority)
+            admission = Admission(
+                tenant,
+                exchange.priority,
+                context.cost_model.estimate(request.cost),
+                len(request.body),
+                request.model,
+            )
             upstream_headers = _upstream_headers(context, headers, exchange.request_id)
             await _until_done_or_disconnect(
-                self._proxy(context, request, upstream_headers, exchange), receive, exchange
+                self._proxy(context, request, admission, upstream_headers, exchange),
+                receive,
+                exchange,
             )
         except ClientDisconnected:
             outcome = "client_disconnected"
@@ -211,25 +232,27 @@ class Relay:
         self,
         context: GatewayContext,
         request: ParsedRequest,
+        admission: Admission,
         headers: dict[str, str],
         exchange: Exchange,
     ) -> None:
-        registry = context.registry
-        cost = context.cost_model.estimate(request.cost)
+        grant = await context.dispatcher.acquire(admission)
+        exchange.queued_s = grant.queued_s
         tried: list[str] = []
-        while True:
-            worker = registry.choose(request.model, exclude=tried)
-            tried.append(worker.url)
-            exchange.worker, exchange.attempts = worker.url, len(tried)
-            with registry.lease(worker, cost) as lease:
+        try:
+            while True:
+                tried.append(grant.lease.worker.url)
+                exchange.worker, exchange.attempts = tried[-1], len(tried)
                 try:
-                    await self._attempt(context, lease, request, headers, exchange)
+                    await self._attempt(context, grant.lease, request, headers, exchange)
+                    return
                 except _Retry as failure:
                     if len(tried) > context.settings.max_retries:
                         raise failure.error from None
                     context.metrics.retries.inc(failure.reason)
-                    continue
-            return
+                    grant = context.dispatcher.retry(grant, admission, exclude=tried)
+        finally:
+            grant.release()
 
     async def _attempt(
         self,
@@ -366,7 +389,9 @@ def _upstream_headers(
     context: GatewayContext, headers: dict[bytes, bytes], request_id: str
 ) -> dict[str, str]:
     forwarded = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    authorization = upstream_authorization(context.settings, headers.get(b"authorization"))
+    authorization = upstream_authorization(
+        context.settings, headers.get(b"authorization"), context.tenants.keys_required
+    )
     if authorization:
         forwarded["Authorization"] = authorization
     return forwarded

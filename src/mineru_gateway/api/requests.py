@@ -8,7 +8,7 @@ The body is forwarded byte for byte: fields it does not know (`vllm_xargs`, `top
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
@@ -28,6 +28,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     cost: CostInputs
+    priority: int | None = None  # vLLM's `priority` field: lower first
 
 
 class ClientDisconnected(Exception):
@@ -82,7 +83,40 @@ def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
         _max_tokens(payload),
         payload.get("ignore_eos") is True,
     )
-    return ParsedRequest(endpoint, body, model, bool(stream), cost)
+    priority = payload.get("priority")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise InvalidRequest(
+            "`priority` must be an integer (lower is served first)", param="priority"
+        )
+    return ParsedRequest(endpoint, body, model, bool(stream), cost, priority)
+
+
+def header_priority(value: bytes | None) -> int | None:
+    """A priority from a header (lower first); None when the header is absent."""
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise InvalidRequest(
+            f"the priority header must be an integer, not {value[:32]!r}", param="priority"
+        ) from None
+
+
+def forward_priority(request: ParsedRequest, priority: int, pass_priority: bool) -> ParsedRequest:
+    """The request as workers get it: with the effective `priority` when they schedule by it
+    (`pass_priority`), else without a non-zero one, which vLLM's default fcfs policy rejects.
+    The body is rewritten only when it must change (page images make bodies megabytes)."""
+    wanted = priority if pass_priority and priority != 0 else None
+    current = request.priority if request.priority != 0 else None
+    if wanted == current:
+        return request
+    payload = orjson.loads(request.body)
+    if wanted is None:
+        payload.pop("priority", None)
+    else:
+        payload["priority"] = wanted
+    return replace(request, body=orjson.dumps(payload), priority=wanted)
 
 
 def _max_tokens(payload: dict[str, Any]) -> int | None:

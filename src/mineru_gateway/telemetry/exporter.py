@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mineru_gateway import server
+from mineru_gateway.entry import server
 from mineru_gateway.telemetry.collector import (
     DEFAULT_INTERVAL_S,
     NpuTelemetry,

@@ -71,7 +71,7 @@ ASCEND_DEFAULT_ARGS: tuple[str, ...] = (
     "--gpu-memory-utilization",
     "0.9",
 )
-# Small and quick on a CPU (tests/support/vllm_server.py measured them): float32 beats bfloat16
+# Small and quick on a CPU (mineru_gateway/testing.py measured them): float32 beats bfloat16
 # for a tiny model there, and --enforce-eager more than halves the start.
 CPU_DEFAULT_ARGS: tuple[str, ...] = (
     "--dtype",

@@ -12,7 +12,7 @@ Load is learnt two ways too (issue 3): the gateway's own in-flight requests and 
 cost, updated instantly by `lease`, and the worker's own queue read from its `/metrics` every
 `load_interval_s`. `views()` hands both to the routing policy, and to flow control (issue 13),
 which asks whether a worker has room in its running batch. A worker's batch size is configured
-(`batch_limit`) or learnt: the most requests it has been seen running while others waited.
+(`batch_limit`) or learnt (`learn_batch`).
 
 Whoever sends a request reports the attempt's outcome with one call, `report(worker, outcome)`;
 the registry alone decides what that means for the worker's health.
@@ -263,7 +263,10 @@ class WorkerRegistry:
                 f"The model `{model}` does not exist. Served models: {', '.join(served)}.",
                 param="model",
             )
-        return NoHealthyWorker("no healthy worker is available for this request; retry later")
+        return NoHealthyWorker(
+            "no healthy worker is available for this request; retry later",
+            retry_after_s=self.health.interval_s,
+        )
 
     def acquire(self, worker: Worker, cost: Cost) -> Lease:
         """Counts a request and its cost on `worker` until the lease is released."""
@@ -374,8 +377,7 @@ class WorkerRegistry:
         if load is None:
             return
         self._learn_pace(worker, load)
-        if load.waiting > 0:
-            worker.batch_seen = max(worker.batch_seen, round(load.running))
+        learn_batch(worker, load)
         worker.scrape = Scrape(load, time.monotonic(), own)
 
     @property
@@ -412,3 +414,14 @@ class WorkerRegistry:
     async def stop(self) -> None:
         await stop_all(self._loops)
         self._loops = []
+
+
+def learn_batch(worker: Worker, load: VllmLoad) -> None:
+    """A worker's batch size from its own figures. With requests waiting, what runs is its limit
+    (its `max_num_seqs`, or what its KV cache holds); the most seen is kept. A worker that runs
+    more than that, with nothing waiting, had been seen in a transient (a burst of long prompts
+    waits on the step's token budget, not on the batch): the estimate grows to what it ran, and
+    since flow control lets a headroom more through, it keeps growing until requests wait."""
+    running = round(load.running)
+    if load.waiting > 0 or (worker.batch_seen and running > worker.batch_seen):
+        worker.batch_seen = max(worker.batch_seen, running)

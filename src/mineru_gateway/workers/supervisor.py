@@ -12,7 +12,7 @@ One task per worker runs its life:
   it spawned (vLLM starts an engine core and workers), and asks the kernel to SIGTERM it when the
   supervisor dies, so no worker outlives its supervisor even after a SIGKILL.
 - Stopping a worker: SIGTERM to its main process (vLLM then shuts its engine core down in order),
-  then SIGTERM to what is left of its group, then SIGKILL (tests/support/vllm_server.py).
+  then SIGTERM to what is left of its group, then SIGKILL (as mineru_gateway/testing.py does).
 - Restarts back off exponentially (`backoff_s * 2**n`, capped); a worker that had stayed healthy
   for `backoff_reset_s` starts again from `backoff_s`.
 - Output goes to one file per worker (appended across restarts), and with `log_to_terminal` also

@@ -26,10 +26,10 @@ from typing import Literal
 
 import structlog
 
-from mineru_gateway import server
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.entry import server
 from mineru_gateway.workers.launcher import (
     LauncherSettings,
     VllmOptions,

@@ -10,12 +10,13 @@ from typing import Any
 import pydantic
 import structlog
 
-from mineru_gateway import __version__, server
+from mineru_gateway import __version__
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
-from mineru_gateway.group import add_group_arguments, group_options_from_args, run_group
-from mineru_gateway.logs import configure_logging
+from mineru_gateway.entry import server
+from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
+from mineru_gateway.entry.logs import configure_logging
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
 from mineru_gateway.telemetry import (
     DEFAULT_EXPORTER_PORT,

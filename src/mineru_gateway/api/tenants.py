@@ -1,0 +1,88 @@
+"""Who a request is: API keys to tenants, and the keys the gateway accepts (issue 13).
+
+- Named tenants (settings `tenants` / `tenants_file`) own their keys, weight, default priority
+  and limits.
+- Every other accepted API key (`api_keys`) is a tenant of its own, with equal weight and the
+  `tenant_*` default limits, named `key-<8 hex digits of its SHA-256>`: no configuration needed,
+  and the key itself never reaches a label or a log.
+- Without any keys, everything is one tenant, `default`: a single user sees no fairness at work.
+
+Names are bounded by the configuration, so they are safe as metric labels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.errors import AuthenticationFailed
+from mineru_gateway.flow import TenantPolicy
+
+DEFAULT_TENANT = "default"
+
+
+class TenantDirectory:
+    def __init__(self, settings: GatewaySettings) -> None:
+        def policy(name: str) -> TenantPolicy:
+            return TenantPolicy(
+                name,
+                max_queued=settings.tenant_max_queued,
+                max_queued_bytes=settings.tenant_max_queued_bytes,
+                max_in_flight=settings.tenant_max_in_flight,
+            )
+
+        self._by_key: dict[bytes, TenantPolicy] = {}
+        for key in settings.api_keys:
+            self._by_key[key.encode()] = policy(_key_name(key))
+        for name, config in settings.tenant_configs.items():
+            named = TenantPolicy(
+                name,
+                weight=config.weight,
+                priority=config.priority,
+                min_priority=config.min_priority,
+                max_queued=_either(config.max_queued, settings.tenant_max_queued),
+                max_queued_bytes=_either(config.max_queued_bytes, settings.tenant_max_queued_bytes),
+                max_in_flight=_either(config.max_in_flight, settings.tenant_max_in_flight),
+            )
+            for key in config.all_keys():
+                self._by_key[key.encode()] = named
+        self.default = policy(DEFAULT_TENANT)
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self._by_key)
+
+    def policies(self) -> dict[str, TenantPolicy]:
+        known = {policy.name: policy for policy in self._by_key.values()}
+        return known if known else {self.default.name: self.default}
+
+    def priority_label(self, priority: int) -> str:
+        """Clients choose priorities freely: only the configured ones (and 0) become labels."""
+        known = {0} | {p.priority for p in self.policies().values()}
+        known |= {p.min_priority for p in self.policies().values() if p.min_priority is not None}
+        return str(priority) if priority in known else "other"
+
+    def authenticate(self, authorization: bytes | None) -> TenantPolicy:
+        """The tenant whose key `authorization` bears (`Bearer <key>`); the default tenant when
+        the gateway checks no keys. Raises AuthenticationFailed. Every key is compared in
+        constant time, and all of them are, so timing tells nothing about which matched."""
+        if not self._by_key:
+            return self.default
+        scheme, _, token = (authorization or b"").partition(b" ")
+        given = token.strip()
+        found: TenantPolicy | None = None
+        for key, policy in self._by_key.items():
+            if hmac.compare_digest(given, key) and scheme.lower() == b"bearer":
+                found = policy
+        if found is None:
+            raise AuthenticationFailed("missing or invalid API key (Authorization: Bearer <key>)")
+        return found
+
+
+def _key_name(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def _either(own: int | None, default: int | None) -> int | None:
+    return own if own is not None else default

@@ -1,0 +1,1 @@
+"""Composition roots: the command line, the supervised group, the server runner, log output."""

@@ -1,0 +1,367 @@
+"""Flow control: the gateway's own queue, who is served next, and when a worker has room (issue 13).
+
+Pure on purpose, like `routing.py` beside it: no I/O, no clocks (callers pass `now`), no asyncio.
+`workers/dispatcher.py` drives it from the relay.
+
+Why the gateway holds the queue: forwarding every request at once leaves the order to the
+workers' first-come queues, so one tenant's MinerU batch (thousands of page and block requests)
+makes everyone else wait behind it; measured 158x on B's TTFT p99 (docs/flow-control.md). Here a
+request waits in the gateway until some worker has room, and only then is the worker chosen, on
+the freshest load (late binding).
+
+The order, from first to last:
+- **Priority bands**, strictly: a lower `priority` first, as vLLM orders its own queue (the
+  request's `priority` field, default 0, and `--scheduling-policy priority`).
+- **Fair sharing between tenants inside a band**: start-time fair queuing on estimated cost. A
+  tenant's head request gets the tag `max(band clock, tenant's last finish)`; the lowest tag goes
+  first, and then the tenant's finish moves on by `cost / weight` and the band clock to the tag.
+  A tenant with a small share is served next however many requests another has queued; two
+  backlogged tenants are served in proportion to their weights.
+- **FIFO within a tenant and band.**
+
+Backpressure: the queue is bounded in requests and in bytes (page images are megabytes), per
+tenant (when configured) and in total. When the total is full, the request that goes is the newest
+of the tenant holding most of the queue for its weight (longest-queue drop): a flooding tenant
+cannot fill the queue and lock the others out of it.
+
+Room on a worker: its own requests plus what it reports beyond them, against its batch size
+(`max_num_seqs`, configured or learnt) plus a little headroom, since continuous batching wants a
+few requests waiting to fill each step; and it must not report more waiting than that headroom
+(a worker short of KV cache queues requests before its batch is full).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from mineru_gateway.routing import LoadModel, WorkerView
+
+# -- room on workers ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPolicy:
+    """When a worker can take one more request without queueing it behind a full batch."""
+
+    default_batch: int = 256  # vLLM's default max_num_seqs, until a worker's own is learnt
+    headroom: float = 0.1  # requests allowed to wait on a worker, as a share of its batch
+    min_headroom: int = 2
+    load: LoadModel = field(default_factory=LoadModel)
+
+    def limit(self, view: WorkerView) -> tuple[int, int]:
+        """The worker's batch size and the headroom on top of it."""
+        batch = view.batch_limit or self.default_batch
+        return batch, max(self.min_headroom, math.ceil(self.headroom * batch))
+
+    def occupied(self, view: WorkerView) -> float:
+        """This gateway's requests on the worker plus those it reports beyond them."""
+        reported = self.load.fresh(view)
+        external = 0.0
+        if reported is not None:
+            external = max(0.0, reported.running + reported.waiting - reported.own_at_scrape)
+        return view.in_flight + external
+
+    def has_room(self, view: WorkerView) -> bool:
+        if not view.healthy:
+            return False
+        batch, headroom = self.limit(view)
+        reported = self.load.fresh(view)
+        if reported is not None and reported.waiting > headroom:
+            return False
+        return self.occupied(view) < batch + headroom
+
+    def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
+        return [view for view in views if self.has_room(view)]
+
+
+# -- tenants and tickets ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """One tenant's share and limits. None: no limit of its own (the queue's totals still hold)."""
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0  # its requests' priority when they name none
+    # The most urgent priority its requests may ask for (lower is more urgent); None: its own
+    # default, so a tenant can mark work as background but cannot jump ahead of others.
+    min_priority: int | None = None
+    max_queued: int | None = None
+    max_queued_bytes: int | None = None
+    max_in_flight: int | None = None
+
+    def effective_priority(self, asked: int | None) -> int:
+        if asked is None:
+            return self.priority
+        floor = self.priority if self.min_priority is None else self.min_priority
+        return max(asked, floor)
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """A request's place in the queue. `handle` is the caller's (the dispatcher's future)."""
+
+    tenant: TenantPolicy
+    priority: int
+    cost: float  # estimated cost in batch slots (cost.py)
+    size: int  # bytes held while queued
+    enqueued_at: float
+    model: str | None = None
+    handle: object = None
+    queued: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.tenant.name
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLimits:
+    max_queued: int = 4096
+    max_queued_bytes: int = 2 * 1024**3
+    max_wait_s: float = 300.0
+
+
+class Rejected(Exception):
+    """The queue cannot take a ticket: `why` is tenant_queue_full, tenant_queue_bytes_full,
+    queue_full or queue_bytes_full."""
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass(slots=True)
+class _TenantState:
+    """A tenant's counts over all bands, and its position in each band's fair order."""
+
+    policy: TenantPolicy
+    queued: int = 0
+    queued_bytes: int = 0
+    in_flight: int = 0
+    finish: dict[int, float] = field(default_factory=dict)  # band -> last finish tag
+
+    def share(self, by_bytes: bool) -> float:
+        return (self.queued_bytes if by_bytes else self.queued) / self.policy.weight
+
+    def may_start(self) -> bool:
+        limit = self.policy.max_in_flight
+        return limit is None or self.in_flight < limit
+
+
+@dataclass(slots=True)
+class _Band:
+    clock: float = 0.0  # start tag of the band's last dispatch
+    queues: dict[str, deque[Ticket]] = field(default_factory=dict)
+
+
+class FairQueue:
+    """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
+
+    def __init__(self, limits: QueueLimits | None = None) -> None:
+        self.limits = limits or QueueLimits()
+        self._bands: dict[int, _Band] = {}
+        self._tenants: dict[str, _TenantState] = {}
+        self.queued = 0
+        self.queued_bytes = 0
+
+    def __len__(self) -> int:
+        return self.queued
+
+    # -- admission ------------------------------------------------------------------------
+    def push(self, ticket: Ticket) -> list[Ticket]:
+        """Queues `ticket`; returns the tickets pushed out to make room (longest-queue drop),
+        which may be `ticket` itself. Raises Rejected when its tenant's own limit is reached."""
+        state = self._tenant(ticket.tenant)
+        self._check_tenant(state, ticket)
+        self._bands.setdefault(ticket.priority, _Band()).queues.setdefault(
+            ticket.name, deque()
+        ).append(ticket)
+        self._count(state, ticket, +1)
+        ticket.queued = True
+        return self._shed()
+
+    def _check_tenant(self, state: _TenantState, ticket: Ticket) -> None:
+        policy = state.policy
+        if policy.max_queued is not None and state.queued >= policy.max_queued:
+            raise Rejected(
+                "tenant_queue_full",
+                f"tenant {policy.name!r} already has {state.queued} requests queued "
+                f"(its limit is {policy.max_queued})",
+            )
+        limit = policy.max_queued_bytes
+        if limit is not None and state.queued_bytes + ticket.size > limit:
+            raise Rejected(
+                "tenant_queue_bytes_full",
+                f"tenant {policy.name!r} would hold more than {limit} bytes of queued requests",
+            )
+
+    def _shed(self) -> list[Ticket]:
+        shed: list[Ticket] = []
+        while self.queued > self.limits.max_queued:
+            shed.append(self._drop_longest(by_bytes=False))
+        while self.queued_bytes > self.limits.max_queued_bytes:
+            shed.append(self._drop_longest(by_bytes=True))
+        return shed
+
+    def _drop_longest(self, *, by_bytes: bool) -> Ticket:
+        state = max(
+            (s for s in self._tenants.values() if s.queued),
+            key=lambda s: s.share(by_bytes),
+        )
+        name = state.policy.name
+        least_urgent = max(p for p, band in self._bands.items() if name in band.queues)
+        victim = self._bands[least_urgent].queues[name][-1]
+        self.remove(victim)
+        return victim
+
+    # -- dispatch -------------------------------------------------------------------------
+    def next(self, eligible: Callable[[Ticket], bool] = lambda ticket: True) -> Ticket | None:
+        """The ticket to serve next among those `eligible` allows; None if there is none.
+        A tenant at its in-flight limit waits; so does everything behind an ineligible head."""
+        for priority in sorted(self._bands):
+            band = self._bands[priority]
+            for *_order, ticket in sorted(self._heads(priority, band), key=_by_order):
+                if eligible(ticket):
+                    return ticket
+        return None
+
+    def _heads(self, priority: int, band: _Band) -> Iterator[tuple[float, float, Ticket]]:
+        """Each tenant's head with its tag; equal tags go to the tenant with less in flight
+        for its weight (a tenant whose requests went straight to workers has used its turn)."""
+        for name, tickets in band.queues.items():
+            state = self._tenants[name]
+            if state.may_start():
+                tag = max(band.clock, state.finish.get(priority, 0.0))
+                yield tag, state.in_flight / state.policy.weight, tickets[0]
+
+    def pop(self, ticket: Ticket) -> None:
+        """Takes `ticket` (the head of its tenant's queue, as `next` returned it) out for
+        dispatch: its tenant's clock moves on by its cost over the tenant's weight."""
+        band = self._bands[ticket.priority]
+        state = self._tenants[ticket.name]
+        start = max(band.clock, state.finish.get(ticket.priority, 0.0))
+        state.finish[ticket.priority] = start + ticket.cost / state.policy.weight
+        band.clock = start
+        self._unlink(ticket)
+        state.in_flight += 1
+
+    def done(self, ticket: Ticket) -> None:
+        """A dispatched ticket's request has ended: its tenant may start another."""
+        state = self._tenants.get(ticket.name)
+        if state is not None:
+            state.in_flight = max(0, state.in_flight - 1)
+            self._forget_if_idle(state)
+
+    def remove(self, ticket: Ticket) -> None:
+        """Takes a queued ticket out without serving it (its client left, it waited too long,
+        or it was shed). Does nothing for a ticket no longer queued."""
+        if ticket.queued:
+            self._unlink(ticket)
+            self._forget_if_idle(self._tenants[ticket.name])
+
+    def _unlink(self, ticket: Ticket) -> None:
+        band = self._bands[ticket.priority]
+        tickets = band.queues[ticket.name]
+        if tickets[0] is ticket:
+            tickets.popleft()
+        else:
+            tickets.remove(ticket)
+        if not tickets:
+            del band.queues[ticket.name]
+            if not band.queues:
+                # An empty band keeps no clock: the next request there starts it afresh, and
+                # the tenants' finish tags in it are forgotten with it.
+                del self._bands[ticket.priority]
+                for state in self._tenants.values():
+                    state.finish.pop(ticket.priority, None)
+        ticket.queued = False
+        self._count(self._tenants[ticket.name], ticket, -1)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _tenant(self, policy: TenantPolicy) -> _TenantState:
+        state = self._tenants.get(policy.name)
+        if state is None:
+            state = self._tenants[policy.name] = _TenantState(policy)
+        return state
+
+    def _count(self, state: _TenantState, ticket: Ticket, sign: int) -> None:
+        state.queued += sign
+        state.queued_bytes += sign * ticket.size
+        self.queued += sign
+        self.queued_bytes += sign * ticket.size
+
+    def _forget_if_idle(self, state: _TenantState) -> None:
+        """Bounded memory: an idle tenant with no fair-share position left is dropped."""
+        if state.queued or state.in_flight or state.finish:
+            return
+        self._tenants.pop(state.policy.name, None)
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return state.in_flight if state else 0
+
+    def may_start(self, tenant: TenantPolicy) -> bool:
+        state = self._tenants.get(tenant.name)
+        return state is None or state.may_start()
+
+    def start_unqueued(self, tenant: TenantPolicy) -> None:
+        """Counts a request dispatched at once, without queueing, against its tenant."""
+        self._tenant(tenant).in_flight += 1
+
+    def tickets(self) -> Iterator[Ticket]:
+        for band in self._bands.values():
+            for tickets in band.queues.values():
+                yield from tickets
+
+    def depth(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(tenant, priority) -> (queued requests, queued bytes)."""
+        depth: dict[tuple[str, int], tuple[int, int]] = {}
+        for priority, band in self._bands.items():
+            for name, tickets in band.queues.items():
+                depth[(name, priority)] = (len(tickets), sum(t.size for t in tickets))
+        return depth
+
+    def in_flight_by_tenant(self) -> dict[str, int]:
+        return {name: state.in_flight for name, state in self._tenants.items()}
+
+    def is_idle(self) -> bool:
+        return self.queued == 0
+
+
+def _by_order(head: tuple[float, float, Ticket]) -> tuple[float, float]:
+    return head[0], head[1]
+
+
+# -- how long to come back after --------------------------------------------------------------
+
+
+class DrainRate:
+    """Dispatches per second over the last `window_s`, for `Retry-After` (bounded memory)."""
+
+    def __init__(self, window_s: float = 10.0, max_events: int = 4096) -> None:
+        self.window_s = window_s
+        self._events: deque[float] = deque(maxlen=max_events)
+
+    def record(self, now: float) -> None:
+        self._events.append(now)
+
+    def rate(self, now: float) -> float:
+        events = self._events
+        while events and events[0] < now - self.window_s:
+            events.popleft()
+        if len(events) < 2:
+            return 0.0
+        span = max(now - events[0], 1e-3)
+        return len(events) / span
+
+    def retry_after(self, queued: int, now: float, *, floor_s: float = 1.0) -> float:
+        """Seconds until `queued` requests ahead would have drained at the recent rate, between
+        1 s and 120 s (MinerU's client caps what it honours at 120 s)."""
+        rate = self.rate(now)
+        estimate = queued / rate if rate > 0 else floor_s * 5
+        return min(120.0, max(floor_s, estimate))

@@ -1,0 +1,261 @@
+"""The dispatcher: where a request waits for room on a worker, and gets a lease on one (issue 13).
+
+It drives the pure queue in `flow.py` with the registry's live views. `acquire` returns at once
+when nothing is queued and a worker has room (a single user sees no queue at all); otherwise the
+request waits in the fair queue, and whenever room may have appeared (a request ended, fresh
+load figures, a worker came back) `pump` hands the next requests their workers, chosen at that
+moment by the routing policy among the workers with room (late binding).
+
+A lease is taken the moment a ticket is served, before its waiter resumes, so one pump cannot
+overfill a worker; a waiter cancelled at that very moment gives its lease back. Every queued
+request ends one way: served, shed (429 `Retry-After`), timed out in the queue (429), failed
+because no worker is healthy (503) or because the gateway is shutting down (503), or left by its
+client (taken out of the queue at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from mineru_gateway.cost import Cost
+from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
+from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
+from mineru_gateway.routing import WorkerView, candidates_for
+from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
+
+log = structlog.get_logger("mineru_gateway.flow")
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What a request brings to the queue."""
+
+    tenant: TenantPolicy
+    priority: int
+    cost: Cost
+    size: int  # request body bytes
+    model: str | None
+
+
+class Grant:
+    """A request's lease on a worker, plus its ticket's accounting; `release()` ends both."""
+
+    __slots__ = ("_dispatcher", "lease", "queued_s", "ticket")
+
+    def __init__(
+        self, dispatcher: Dispatcher, ticket: Ticket, lease: Lease, queued_s: float
+    ) -> None:
+        self._dispatcher = dispatcher
+        self.ticket = ticket
+        self.lease = lease
+        self.queued_s = queued_s
+
+    def release(self) -> None:
+        if not self.lease.released:
+            self._dispatcher.queue.done(self.ticket)
+            self.lease.release()  # the registry tells the dispatcher: pump
+
+
+class _Waiter:
+    __slots__ = ("admission", "future", "timer")
+
+    def __init__(self, admission: Admission, future: asyncio.Future[Grant]) -> None:
+        self.admission = admission
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        queue: FairQueue,
+        room: RoomPolicy,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.queue = queue
+        self.room = room
+        self.enabled = enabled
+        self.drain_rate = DrainRate()
+        self._clock = clock
+        self._pumping = False
+        self._closed: GatewayError | None = None
+        registry.on_change(self.pump)
+
+    # -- the relay's side -----------------------------------------------------------------
+    async def acquire(self, admission: Admission) -> Grant:
+        """A lease on a worker for this request: at once if one has room and nobody waits,
+        else when the fair queue serves it. Raises Overloaded, NoHealthyWorker, ModelNotFound
+        or ShuttingDown."""
+        views = self.registry.views()
+        candidates = candidates_for(views, admission.model)
+        if not candidates:
+            raise self.registry.why_no_candidate(views, admission.model)
+        if self._closed is not None:
+            raise self._closed
+        ticket = Ticket(
+            admission.tenant,
+            admission.priority,
+            admission.cost.total,
+            admission.size,
+            self._clock(),
+            admission.model,
+        )
+        if not self.enabled:
+            worker = self.registry.choose_among(candidates)
+            return self._grant(ticket, worker, admission, 0.0, unqueued=True)
+        if self.queue.is_idle() and self.queue.may_start(admission.tenant):
+            roomy = self.room.roomy(candidates)
+            if roomy:
+                worker = self.registry.choose_among(roomy)
+                return self._grant(ticket, worker, admission, 0.0, unqueued=True)
+        return await self._wait(ticket, admission)
+
+    async def _wait(self, ticket: Ticket, admission: Admission) -> Grant:
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(admission, future)
+        ticket.handle = waiter
+        try:
+            shed = self.queue.push(ticket)
+        except Rejected as rejected:
+            raise self._overloaded(rejected.why, str(rejected)) from None
+        for victim in shed:
+            self._fail(victim, self._overloaded("queue_full", "the gateway's queue is full"))
+        if not ticket.queued:
+            return await future  # shed at once: the future carries the error
+        waiter.timer = asyncio.get_running_loop().call_later(
+            self.queue.limits.max_wait_s, self._expire, ticket
+        )
+        self.pump()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._abandon(ticket, future)
+            raise
+
+    def retry(self, grant: Grant, admission: Admission, exclude: list[str]) -> Grant:
+        """Another worker for a request whose attempt failed before any byte of an answer: at
+        once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
+        untried worker is left."""
+        worker = self.registry.choose(admission.model, exclude=exclude)
+        grant.release()
+        return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
+
+    def _abandon(self, ticket: Ticket, future: asyncio.Future[Grant]) -> None:
+        """The waiter went away (its client disconnected): leave the queue at once, or give
+        back a lease granted in the same instant."""
+        self._stop_timer(ticket)
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+        else:
+            self.queue.remove(ticket)
+
+    # -- serving the queue ----------------------------------------------------------------
+    def pump(self) -> None:
+        """Serves queued requests while workers have room. Re-entry is a no-op: granting a
+        lease can itself report a change."""
+        if self._pumping or not self.enabled or self.queue.is_idle():
+            return
+        self._pumping = True
+        try:
+            self._serve()
+        finally:
+            self._pumping = False
+
+    def _serve(self) -> None:
+        while not self.queue.is_idle():
+            views = self.registry.views()
+            if not any(view.healthy for view in views):
+                self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
+                return
+            roomy = self.room.roomy(views)
+            if not roomy:
+                return
+            ticket = self.queue.next(_served_by(roomy))
+            if ticket is None:
+                self._fail_unservable(views)
+                return
+            self.queue.pop(ticket)
+            waiter = _waiter(ticket)
+            self._stop_timer(ticket)
+            candidates = [view for view in roomy if view.serves(ticket.model)]
+            worker = self.registry.choose_among(candidates)
+            queued_s = self._clock() - ticket.enqueued_at
+            waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
+
+    def _fail_unservable(self, views: list[WorkerView]) -> None:
+        """Queued requests for a model no healthy worker serves any more cannot wait for room."""
+        for ticket in list(self.queue.tickets()):
+            if not candidates_for(views, ticket.model):
+                self._fail(ticket, self.registry.why_no_candidate(views, ticket.model))
+
+    def _grant(
+        self,
+        ticket: Ticket,
+        worker: Worker,
+        admission: Admission,
+        queued_s: float,
+        *,
+        unqueued: bool = False,
+    ) -> Grant:
+        if unqueued:
+            self.queue.start_unqueued(ticket.tenant)
+        self.drain_rate.record(self._clock())
+        return Grant(self, ticket, self.registry.acquire(worker, admission.cost), queued_s)
+
+    # -- ending waits that will not be served -------------------------------------------
+    def _expire(self, ticket: Ticket) -> None:
+        waiter = _waiter(ticket)
+        waiter.timer = None
+        wait = self.queue.limits.max_wait_s
+        self._fail(ticket, self._overloaded("queue_timeout", f"waited {wait:g} s in the queue"))
+
+    def _fail(self, ticket: Ticket, error: GatewayError) -> None:
+        self.queue.remove(ticket)
+        self._stop_timer(ticket)
+        waiter = _waiter(ticket)
+        if not waiter.future.done():
+            waiter.future.set_exception(error)
+
+    def fail_all(self, error: GatewayError) -> None:
+        for ticket in list(self.queue.tickets()):
+            self._fail(ticket, error)
+
+    def close(self, error: GatewayError | None = None) -> None:
+        """From now on nothing is queued; whatever still waits gets `error` (503)."""
+        self._closed = error or ShuttingDown("the gateway is shutting down; retry later")
+        self.fail_all(self._closed)
+
+    def _overloaded(self, why: str, detail: str) -> Overloaded:
+        now = self._clock()
+        retry = self.drain_rate.retry_after(len(self.queue), now)
+        return Overloaded(
+            f"the gateway is overloaded ({detail}); retry after {retry:.0f} s",
+            why=why,
+            retry_after_s=retry,
+        )
+
+    def _stop_timer(self, ticket: Ticket) -> None:
+        waiter = _waiter(ticket)
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+            waiter.timer = None
+
+
+def _served_by(views: list[WorkerView]) -> Callable[[Ticket], bool]:
+    models = {model for view in views for model in view.models}
+    return lambda ticket: ticket.model is None or ticket.model in models
+
+
+def _waiter(ticket: Ticket) -> _Waiter:
+    waiter = ticket.handle
+    assert isinstance(waiter, _Waiter)
+    return waiter

@@ -1,0 +1,234 @@
+"""The fair queue and the room policy: pure code, tested without servers."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from mineru_gateway.flow import (
+    DrainRate,
+    FairQueue,
+    QueueLimits,
+    Rejected,
+    RoomPolicy,
+    TenantPolicy,
+    Ticket,
+)
+from mineru_gateway.routing import ReportedLoad, WorkerView
+
+A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
+
+
+def ticket(tenant: TenantPolicy, *, priority: int = 0, cost: float = 1.0, size: int = 1) -> Ticket:
+    return Ticket(tenant, priority, cost, size, enqueued_at=0.0)
+
+
+def drain(queue: FairQueue, count: int | None = None) -> Iterator[Ticket]:
+    """Serves up to `count` tickets in the queue's order (each finishes at once)."""
+    served = 0
+    while (count is None or served < count) and (head := queue.next()) is not None:
+        queue.pop(head)
+        queue.done(head)
+        served += 1
+        yield head
+
+
+def test_a_small_tenant_is_served_next_however_much_another_has_queued() -> None:
+    queue = FairQueue()
+    for _ in range(1500):
+        queue.push(ticket(A))
+    list(drain(queue, 10))
+    latecomer = ticket(B)
+    queue.push(latecomer)
+    assert queue.next() is latecomer
+
+
+def test_backlogged_tenants_share_in_proportion_to_their_weights() -> None:
+    queue = FairQueue()
+    heavy, light = TenantPolicy("heavy", weight=3.0), TenantPolicy("light", weight=1.0)
+    for _ in range(400):
+        queue.push(ticket(heavy))
+        queue.push(ticket(light))
+    served = Counter(t.name for t in drain(queue, 400))
+    assert served["heavy"] == pytest.approx(300, abs=2)
+    assert served["light"] == pytest.approx(100, abs=2)
+
+
+def test_fair_sharing_is_on_cost_not_request_counts() -> None:
+    """A tenant sending pages (cost 3) gets a third of the requests of one sending blocks."""
+    queue = FairQueue()
+    pages, blocks = TenantPolicy("pages"), TenantPolicy("blocks")
+    for _ in range(300):
+        queue.push(ticket(pages, cost=3.0))
+        queue.push(ticket(blocks, cost=1.0))
+    served = Counter(t.name for t in drain(queue, 200))
+    assert served["blocks"] == pytest.approx(3 * served["pages"], abs=3)
+
+
+def test_fifo_within_a_tenant() -> None:
+    queue = FairQueue()
+    pushed = [ticket(A) for _ in range(5)]
+    for item in pushed:
+        queue.push(item)
+    assert list(drain(queue)) == pushed
+
+
+@pytest.mark.parametrize(
+    ("priorities", "expected"),
+    [
+        ([0, -1, 5, 0], [-1, 0, 0, 5]),  # lower first, as vLLM orders its queue
+        ([3, 3, 1], [1, 3, 3]),
+    ],
+)
+def test_priority_bands_are_strict(priorities: list[int], expected: list[int]) -> None:
+    queue = FairQueue()
+    for index, priority in enumerate(priorities):
+        queue.push(ticket(TenantPolicy(f"t{index}"), priority=priority))
+    assert [t.priority for t in drain(queue)] == expected
+
+
+@pytest.mark.parametrize(
+    ("tenant", "asked", "effective"),
+    [
+        (TenantPolicy("x"), None, 0),
+        (TenantPolicy("x"), 5, 5),  # background work: allowed
+        (TenantPolicy("x"), -3, 0),  # jumping ahead of others: not by default
+        (TenantPolicy("x", priority=2), None, 2),
+        (TenantPolicy("x", priority=2, min_priority=-1), -3, -1),
+    ],
+)
+def test_effective_priority(tenant: TenantPolicy, asked: int | None, effective: int) -> None:
+    assert tenant.effective_priority(asked) == effective
+
+
+def test_a_tenant_at_its_in_flight_limit_waits_while_others_go() -> None:
+    queue = FairQueue()
+    capped = TenantPolicy("capped", max_in_flight=2)
+    for _ in range(5):
+        queue.push(ticket(capped))
+    queue.push(ticket(B))
+    started = []
+    while (head := queue.next()) is not None:
+        queue.pop(head)
+        started.append(head.name)
+    assert Counter(started) == {"capped": 2, "b": 1}
+    queue.done(ticket(capped))  # one of capped's requests ends
+    head = queue.next()
+    assert head is not None and head.name == "capped"
+
+
+def test_a_tenant_limit_rejects_its_own_requests_only() -> None:
+    queue = FairQueue()
+    small = TenantPolicy("small", max_queued=2, max_queued_bytes=100)
+    queue.push(ticket(small))
+    queue.push(ticket(small))
+    with pytest.raises(Rejected) as rejected:
+        queue.push(ticket(small))
+    assert rejected.value.why == "tenant_queue_full"
+    with pytest.raises(Rejected) as too_big:
+        queue.push(ticket(TenantPolicy("other", max_queued_bytes=10), size=11))
+    assert too_big.value.why == "tenant_queue_bytes_full"
+    queue.push(ticket(B))
+    assert len(queue) == 3
+
+
+def test_a_full_queue_sheds_the_newest_request_of_the_tenant_holding_most_of_it() -> None:
+    queue = FairQueue(QueueLimits(max_queued=10))
+    flood = [ticket(A) for _ in range(10)]
+    for item in flood:
+        assert queue.push(item) == []
+    newcomer = ticket(B)
+    assert queue.push(newcomer) == [flood[-1]]
+    assert newcomer.queued and not flood[-1].queued
+    # A flooding tenant's own newest request is the one to go:
+    extra = ticket(A)
+    assert queue.push(extra) == [extra]
+    assert len(queue) == 10
+
+
+def test_a_full_byte_budget_sheds_by_bytes_over_weight() -> None:
+    queue = FairQueue(QueueLimits(max_queued_bytes=100))
+    heavy = TenantPolicy("heavy", weight=4.0)
+    pages = [ticket(heavy, size=20) for _ in range(4)]  # 80 bytes, 20 per unit of weight
+    for item in pages:
+        queue.push(item)
+    blocks = [ticket(A, size=15) for _ in range(2)]  # 30 bytes, 30 per unit of weight
+    queue.push(blocks[0])
+    assert queue.push(blocks[1]) == [blocks[1]]
+    assert queue.queued_bytes <= 100
+
+
+def test_removing_tickets_keeps_counts_and_forgets_idle_tenants() -> None:
+    queue = FairQueue()
+    items = [ticket(A, size=10) for _ in range(3)]
+    for item in items:
+        queue.push(item)
+    queue.remove(items[1])
+    queue.remove(items[1])  # twice: no effect
+    assert (len(queue), queue.queued_bytes) == (2, 20)
+    assert queue.depth() == {("a", 0): (2, 20)}
+    for item in (items[0], items[2]):
+        queue.remove(item)
+    assert queue.is_idle() and queue.depth() == {}
+    assert queue._tenants == {}  # bounded memory: nothing is kept for an idle tenant
+
+
+def test_an_ineligible_head_lets_other_tenants_pass() -> None:
+    queue = FairQueue()
+    blocked = Ticket(A, 0, 1.0, 1, 0.0, model="elsewhere")
+    queue.push(blocked)
+    other = Ticket(B, 0, 1.0, 1, 0.0, model="here")
+    queue.push(other)
+    assert queue.next(lambda t: t.model == "here") is other
+    assert queue.next(lambda t: False) is None
+
+
+def _view(
+    in_flight: int = 0,
+    *,
+    waiting: float | None = None,
+    running: float = 0.0,
+    own_at_scrape: int = 0,
+    batch: int | None = 10,
+    healthy: bool = True,
+    age_s: float = 0.1,
+) -> WorkerView:
+    reported = (
+        None if waiting is None else ReportedLoad(waiting, running, 0.1, age_s, own_at_scrape)
+    )
+    return WorkerView(
+        "w", healthy=healthy, in_flight=in_flight, reported=reported, batch_limit=batch
+    )
+
+
+@pytest.mark.parametrize(
+    ("view", "room"),
+    [
+        (_view(0), True),
+        (_view(11), True),  # batch 10 + headroom 2 (at least 2)
+        (_view(12), False),
+        (_view(5, waiting=0, running=8, own_at_scrape=0), False),  # 8 sent by others
+        (_view(5, waiting=0, running=8, own_at_scrape=5), True),  # those 8 include ours
+        (_view(3, waiting=3, running=3, own_at_scrape=6), False),  # short of KV: 3 waiting
+        (_view(3, waiting=3, running=3, own_at_scrape=6, age_s=5.0), True),  # stale: ignored
+        (_view(0, healthy=False), False),
+        (_view(250, batch=None), True),  # not yet learnt: vLLM's default 256, +26
+        (_view(282, batch=None), False),
+    ],
+)
+def test_room_on_a_worker(view: WorkerView, room: bool) -> None:
+    assert RoomPolicy().has_room(view) is room
+
+
+def test_drain_rate_and_retry_after() -> None:
+    rate = DrainRate(window_s=10.0)
+    assert rate.retry_after(100, now=0.0) == 5.0  # nothing drained yet: a guess
+    for step in range(21):
+        rate.record(step * 0.5)  # 2 per second
+    assert rate.rate(10.0) == pytest.approx(2.1, abs=0.1)
+    assert rate.retry_after(20, now=10.0) == pytest.approx(10, abs=1)
+    assert rate.retry_after(10_000, now=10.0) == 120.0  # MinerU honours up to 120 s
+    assert rate.retry_after(0, now=10.0) == 1.0
+    assert rate.rate(100.0) == 0.0  # the window has passed
