@@ -137,6 +137,13 @@ def test_up_options_choose_the_worker_commands_from_the_one_builder(tmp_path: Pa
     ]
     assert options.worker_urls() == ["http://127.0.0.1:30001", "http://127.0.0.1:30002"]
     assert options.log_dir == Path("/l")
+    assert options.batch_limit() == 64  # flow control is told the workers' batch
+
+
+@pytest.mark.parametrize(("sim_args", "batch"), [([], 128), (["--sim-arg=--max-num-seqs=12"], 12)])
+def test_up_tells_flow_control_the_simulated_workers_batch(sim_args: list[str], batch: int) -> None:
+    args = build_parser().parse_args(["up", "--workers", "2", *sim_args])
+    assert group_options_from_args(args, environ={}).batch_limit() == batch
 
 
 def test_cpu_workers_of_a_group_bind_disjoint_cores(tmp_path: Path) -> None:

@@ -66,8 +66,10 @@ def test_metrics_after_real_traffic(start_sim: StartSim, start_gateway: StartGat
     assert "bogus" not in text  # clients cannot mint label values
     assert total(text, "mineru_gateway_time_to_first_token_seconds_count", worker=worker) == 4
     assert total(text, "mineru_gateway_e2e_request_latency_seconds_count", worker=worker) == 6
-    # every gap between chunks: at least one per token after the first, per stream
-    assert total(text, "mineru_gateway_inter_token_latency_seconds_count") >= 3 * 6 + 3
+    # every gap between relayed chunks: one per token after the first at most (a loaded machine
+    # may read two events in one chunk), and at least one per stream
+    gaps = total(text, "mineru_gateway_inter_token_latency_seconds_count")
+    assert 4 <= gaps <= 3 * 6 + 3
     assert total(text, "mineru_gateway_completion_tokens_total", worker=worker) == completion_tokens
     assert total(text, "mineru_gateway_prompt_tokens_total", worker=worker) > 0
     assert total(text, "mineru_gateway_routing_decisions_total", policy="queue") == 6

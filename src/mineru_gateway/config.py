@@ -7,7 +7,9 @@ take JSON, or a TOML/JSON file (`tenants_file`), read here too, once, when setti
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -21,6 +23,12 @@ LogFormat = Literal["json", "console"]
 
 DEFAULT_PORT = 30000  # the port MinerU's clients already use (docs/mineru-client.md)
 MIB = 1024 * 1024
+
+Platform = Literal["ascend", "cpu"]
+DEFAULT_WORKER_BASE_PORT = 30001  # the gateway keeps 30000, the port MinerU's clients use
+DEFAULT_HCCL_BASE_PORT = 61000
+HCCL_PORT_STRIDE = 64
+HCCL_MAX_BASE_PORT = 65520  # CANN's documented upper bound for HCCL_IF_BASE_PORT
 
 
 def _split_csv(value: Any) -> Any:
@@ -279,3 +287,45 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
             normalised.append(url.rstrip("/"))
         return normalised
+
+
+class LauncherSettings(BaseSettings):
+    """Worker settings that may come from `MINERU_GATEWAY_<NAME>` variables; flags win.
+
+    The gateway's own settings live in `config.GatewaySettings`; these only shape workers.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="MINERU_GATEWAY_", frozen=True, extra="ignore")
+
+    model: str | None = Field(None, description="Model directory or hub id vLLM serves.")
+    served_model_name: str | None = Field(
+        None, description="Name in /v1/models (default: the model directory's name)."
+    )
+    vllm_python: str = Field(
+        sys.executable,
+        description="Python interpreter with vLLM(-Ascend) installed (its own virtualenv here, "
+        "the image's python3 in the worker image).",
+    )
+    platform: Platform = Field("ascend", description="ascend (NPUs) or cpu (vLLM's CPU build).")
+    worker_host: str = Field("127.0.0.1", description="Address each worker listens on.")
+    worker_base_port: int = Field(
+        DEFAULT_WORKER_BASE_PORT, ge=1, le=65535, description="Worker N listens on base + N."
+    )
+    hccl_base_port: int = Field(
+        DEFAULT_HCCL_BASE_PORT,
+        ge=1024,
+        le=HCCL_MAX_BASE_PORT,
+        description=f"Worker N gets HCCL_IF_BASE_PORT = base + {HCCL_PORT_STRIDE} * N.",
+    )
+    mineru_logits_processor: bool | None = Field(
+        None, description="Add MinerU's logits processor (default: when the model is MinerU)."
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LauncherSettings:
+        given = {
+            name: value
+            for name in cls.model_fields
+            if (value := getattr(args, name, None)) is not None
+        }
+        return cls(**given)

@@ -1,27 +1,22 @@
 """What a request will cost a worker, in running-batch slots, learnt as traffic flows. Pure.
 
 MinerU traffic mixes full-page layout requests (a 1036x1036 image, hundreds to thousands of output
-tokens) with many small block requests (tens of tokens): counting requests treats them as equal
-(issue 3). A request's cost has two parts:
+tokens) with many small block requests (tens of tokens): counting requests treats them as equal.
+A request's cost has two parts:
 
     prefill = prefill_weight * prompt_tokens          (until its first byte comes back)
     hold    = 1 + decode_weight * expected_decode_tokens   (until it ends)
 
-- The unit is one sequence in the worker's running batch. Under continuous batching, what delays a
-  new request's first token is how many sequences share each engine step (step time grows with
-  the batch, and `max_num_seqs` caps it) and how much prefill is queued ahead of it. A long answer
-  does not block anyone: it only holds its slot for longer, which the in-flight count already
-  shows while it lasts. Weighting whole answers as work lost to plain request counting on TTFT
-  p99, and so did keeping a page's prefill weight on it after its prefill was done: the gateway
-  then packed a worker with cheap requests until its batch was full (README, "Routing evidence").
-- `prefill_weight` 0.001: a 1036x1036 page (1369 visual tokens) adds ~1.4 slots while it waits for
-  prefill: its prefill costs about as much engine time as a step of a full batch (~55 ms on a
-  910B, sim/config.py). The relay releases it at the first byte of the answer (streams) or at the
-  answer (non-streaming, where the first token is not visible).
-- `decode_weight` 0 by default: expected answer lengths are learnt (per class: model, MinerU task,
-  image or not; capped by `max_tokens`; `ignore_eos` means `max_tokens`) and can be weighted, but
-  the weights measured on the MinerU mix (a whole answer as work, then 0.002 per token) made TTFT
-  p99 worse.
+- The unit is one sequence in the worker's running batch: under continuous batching a new
+  request's first token waits on how many sequences share each engine step (`max_num_seqs` caps
+  them) and on the prefill queued ahead of it. A long answer only holds its slot for longer.
+- `prefill_weight` 0.001: a 1036x1036 page (1369 visual tokens) adds ~1.4 slots until its
+  prefill is done, about a step of a full batch on a 910B (sim/config.py).
+- `decode_weight` 0 by default: expected answer lengths are learnt per class (model, MinerU
+  task, image or not; capped by `max_tokens`; `ignore_eos` means `max_tokens`) and can be
+  weighted. Why these defaults, measured: README, "Routing evidence".
+
+Flow control (flow.py) shares the tenants' fleet on the same estimate.
 """
 
 from __future__ import annotations

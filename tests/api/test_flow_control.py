@@ -135,7 +135,7 @@ async def test_one_tenants_flood_does_not_hold_up_another(
 async def test_a_lower_priority_value_is_served_first(
     start_sim: StartSim, start_gateway: StartGateway
 ) -> None:
-    worker = start_sim(max_num_seqs=1, time_scale=0.05)
+    worker = start_sim(max_num_seqs=1, time_scale=0.5)  # ~0.15 s a request, one at a time
     gateway = start_gateway([worker], batch_limit=1)
     order: list[int] = []
 
@@ -147,7 +147,7 @@ async def test_a_lower_priority_value_is_served_first(
 
     async with httpx.AsyncClient(base_url=gateway, timeout=60) as client:
         background = [asyncio.create_task(send(client, 10)) for _ in range(12)]
-        await wait_for(lambda: queued(gateway) >= 8 or None)
+        await wait_for(lambda: queued(gateway) >= 6 or None)
         urgent = asyncio.create_task(send(client, 0))
         await asyncio.gather(*background, urgent)
     assert order.index(0) <= HOLD + 1  # behind what was already on the worker, no more

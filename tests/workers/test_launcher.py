@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mineru_gateway.config import Platform
 from mineru_gateway.entry.cli import build_parser
 from mineru_gateway.workers.launcher import (
     HCCL_MAX_BASE_PORT,
@@ -18,10 +19,12 @@ from mineru_gateway.workers.launcher import (
     VLLM_SERVER_MODULE,
     VllmOptions,
     WorkerCommand,
+    batch_size,
     build_sim_command,
     build_vllm_command,
     cpu_binds,
     flag_name,
+    flag_value,
     hccl_base_port,
     worker_command_from_args,
 )
@@ -29,17 +32,6 @@ from mineru_gateway.workers.launcher import (
 MINERU = "/models/MinerU2.5-2509-1.2B"
 ASCEND = VllmOptions(model=MINERU, vllm_python="python3")
 CPU = VllmOptions(model="/cache/tiny-qwen2", vllm_python="/venv/bin/python", platform="cpu")
-
-
-def flag_value(argv: tuple[str, ...], flag: str) -> str | None:
-    """The value of `flag` in argv (the last one wins, as in argparse), or None."""
-    value = None
-    for i, token in enumerate(argv):
-        if token == flag:
-            value = argv[i + 1]
-        elif token.startswith(flag + "="):
-            value = token.split("=", 1)[1]
-    return value
 
 
 def count_flag(argv: tuple[str, ...], name: str) -> int:
@@ -57,7 +49,7 @@ def test_each_ascend_device_gets_its_device_port_and_hccl_port(
     assert command.env["ASCEND_RT_VISIBLE_DEVICES"] == str(device)
     assert command.env["HCCL_IF_BASE_PORT"] == str(hccl)
     assert command.port == port
-    assert flag_value(command.argv, "--port") == str(port)
+    assert flag_value(command.argv, "port") == str(port)
     assert command.argv[:3] == ("python3", "-m", VLLM_SERVER_MODULE)
     assert command.url() == f"http://127.0.0.1:{port}"
 
@@ -185,14 +177,14 @@ def test_mineru_logits_processor_is_added_for_mineru_models(
 ) -> None:
     options = VllmOptions(model=model, served_model_name=served, mineru_logits_processor=choice)
     argv = build_vllm_command(0, options).argv
-    assert (flag_value(argv, "--logits-processors") == MINERU_LOGITS_PROCESSOR) is expected
+    assert (flag_value(argv, "logits-processors") == MINERU_LOGITS_PROCESSOR) is expected
 
 
 def test_a_users_logits_processors_replace_minerus() -> None:
     options = VllmOptions(model=MINERU, extra_args=("--logits-processors", "my:Proc"))
     argv = build_vllm_command(0, options).argv
     assert count_flag(argv, "logits-processors") == 1
-    assert flag_value(argv, "--logits-processors") == "my:Proc"
+    assert flag_value(argv, "logits-processors") == "my:Proc"
 
 
 @pytest.mark.parametrize(
@@ -241,10 +233,10 @@ def test_cpu_workers_bind_their_own_cores_instead_of_a_device(
     command = build_vllm_command(device, CPU, cpu_bind=bind)
     assert command.env == {"VLLM_CPU_OMP_THREADS_BIND": expected, "VLLM_CPU_KVCACHE_SPACE": "1"}
     argv = command.argv
-    assert flag_value(argv, "--dtype") == "float32"
-    assert flag_value(argv, "--max-model-len") == "2048"
+    assert flag_value(argv, "dtype") == "float32"
+    assert flag_value(argv, "max-model-len") == "2048"
     assert "--enforce-eager" in argv
-    assert flag_value(argv, "--logits-processors") is None
+    assert flag_value(argv, "logits-processors") is None
 
 
 @pytest.mark.parametrize(
@@ -390,3 +382,27 @@ def test_worker_becomes_vllm_with_its_arguments_and_environment(tmp_path: Path) 
     )
     assert (str(fake_python), *args) == expected.argv
     assert lines[-1] == "bind=1 venv=unset"
+
+
+@pytest.mark.parametrize(
+    ("args", "value"),
+    [
+        (["--max-num-seqs", "64"], "64"),
+        (["--max-num-seqs=32", "--dtype", "float16"], "32"),
+        (["--max-num-seqs", "8", "--max_num_seqs", "16"], "16"),  # the last one wins
+        (["--dtype", "float16"], None),
+        (["--max-num-seqs"], None),
+    ],
+)
+def test_flag_value(args: list[str], value: str | None) -> None:
+    assert flag_value(args, "max-num-seqs") == value
+
+
+@pytest.mark.parametrize(
+    ("platform", "extra", "batch"),
+    [("ascend", (), 128), ("cpu", (), 16), ("ascend", ("--max-num-seqs", "256"), 256)],
+)
+def test_the_batch_size_workers_start_with(
+    platform: Platform, extra: tuple[str, ...], batch: int
+) -> None:
+    assert batch_size(VllmOptions(model="/m", platform=platform, extra_args=extra)) == batch

@@ -21,8 +21,8 @@ from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_fro
 from mineru_gateway.telemetry import (
     DEFAULT_EXPORTER_PORT,
     DEFAULT_INTERVAL_S,
+    create_exporter_app,
     parse_device_workers,
-    run_exporter,
 )
 from mineru_gateway.workers.launcher import WORKER_DESCRIPTION, add_worker_arguments, run_worker
 
@@ -127,9 +127,10 @@ def _sim(args: argparse.Namespace) -> int:
 def _npu_exporter(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "json")
     devices = parse_device_workers(args.devices) if args.devices else {}
-    run_exporter(
-        args.host, args.port, args.npu_smi, args.interval_s, devices, log_level=args.log_level
+    app = create_exporter_app(
+        npu_smi_path=args.npu_smi, interval_s=args.interval_s, device_workers=devices
     )
+    server.run(app, args.host, args.port, args.log_level)
     return 0
 
 
@@ -140,6 +141,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"mineru-gateway up: {error}", file=sys.stderr)
         return 2
     settings = settings_from_args(args, workers=group.worker_urls())
+    if settings.batch_limit is None:  # the group knows its workers' batch: no need to learn it
+        settings = settings.model_copy(update={"batch_limit": group.batch_limit()})
     configure_logging(settings.log_level, settings.log_format)
     return run_group(settings, group)
 

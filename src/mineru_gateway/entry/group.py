@@ -28,16 +28,19 @@ import structlog
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
-from mineru_gateway.config import GatewaySettings
+from mineru_gateway.config import GatewaySettings, LauncherSettings
 from mineru_gateway.entry import server
+from mineru_gateway.sim import SimConfig
 from mineru_gateway.workers.launcher import (
-    LauncherSettings,
     VllmOptions,
     WorkerCommand,
     add_vllm_arguments,
+    batch_size,
     build_sim_command,
     build_vllm_command,
     cpu_binds,
+    flag_value,
+    vllm_options,
 )
 from mineru_gateway.workers.supervisor import RestartPolicy, Supervisor, WorkerSpec
 
@@ -90,6 +93,13 @@ class GroupOptions:
 
     def worker_urls(self) -> list[str]:
         return [command.url() for command in self.commands({})]
+
+    def batch_limit(self) -> int | None:
+        """Each worker's running batch, as the group starts them: flow control's `batch_limit`."""
+        if self.engine == "vllm" and self.vllm is not None:
+            return batch_size(self.vllm)
+        value = flag_value(self.sim_args, "max-num-seqs")
+        return int(value) if value is not None and value.isdigit() else SimConfig().max_num_seqs
 
 
 def default_log_dir(environ: Mapping[str, str]) -> Path:
@@ -164,7 +174,7 @@ def group_options_from_args(
     launcher = LauncherSettings.from_args(args)
     vllm = None
     if args.engine == "vllm":
-        vllm = launcher.vllm_options(args.vllm_arg, host=WORKER_HOST)
+        vllm = vllm_options(launcher, args.vllm_arg, host=WORKER_HOST)
         if shutil.which(vllm.vllm_python, path=environ.get("PATH")) is None:
             raise ValueError(
                 f"vLLM's Python {vllm.vllm_python!r} was not found: set --vllm-python or "

@@ -17,7 +17,6 @@ from mineru_gateway.telemetry.exporter import (
     DEFAULT_EXPORTER_PORT,
     create_exporter_app,
     parse_device_workers,
-    run_exporter,
 )
 from mineru_gateway.telemetry.npu_smi import (
     ChipReadings,
@@ -71,5 +70,4 @@ __all__ = [
     "parse_version",
     "readings_from_key_values",
     "register_npu_metrics",
-    "run_exporter",
 ]

