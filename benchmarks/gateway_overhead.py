@@ -10,6 +10,10 @@ requests/s), TTFT p50/p99 and the ratios against direct, plus each relay's CPU t
 SSE event and per request (from /proc) and the gateway's CPU against the bare proxy's.
 
     python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+
+`--baseline-src DIR` adds the mode `gateway-baseline`: the gateway of another checkout (say a
+`git worktree` of the commit before a change), run from DIR/src, with the same workers, load and
+rounds, so that a change's cost per event is measured against its parent in the same run.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import aiohttp
 from mineru_gateway.testing import free_port, wait_http_ok
 
 CHAT = "/v1/chat/completions"
-PROXIES = ("gateway", "bare-proxy", "naive-httpx")
+PROXIES = ("gateway", "gateway-baseline", "bare-proxy", "naive-httpx")
 READY_TIMEOUT_S = 60.0
 
 
@@ -165,7 +169,16 @@ def summarise(
 class Fleet:
     """Simulated workers and a gateway, as separate processes (as users run them)."""
 
-    def __init__(self, workers: int, sim_args: list[str], gateway_args: list[str]) -> None:
+    def __init__(
+        self,
+        workers: int,
+        sim_args: list[str],
+        gateway_args: list[str],
+        baseline_src: Path | None = None,
+    ) -> None:
+        self.baseline_src = baseline_src
+        self.baseline_url = ""
+        self.baseline_pid = 0
         self.worker_urls: list[str] = []
         self.processes: list[subprocess.Popen[bytes]] = []
         self.sim_args = sim_args
@@ -178,9 +191,14 @@ class Fleet:
         self.bare_url = ""
         self.bare_pid = 0
 
-    def _spawn(self, args: list[str], script: str | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, args: list[str], script: str | None = None, src: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         argv = [sys.executable, *(["-m", "mineru_gateway"] if script is None else [script]), *args]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = None if src is None else {**os.environ, "PYTHONPATH": str(src / "src")}
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=src
+        )
         self.processes.append(proc)
         return proc
 
@@ -197,6 +215,12 @@ class Fleet:
         self.gateway_pid = self._spawn(args).pid
         self.gateway_url = f"http://127.0.0.1:{port}"
         wait_http_ok(self.gateway_url + "/ready", READY_TIMEOUT_S)
+        if self.baseline_src is not None:
+            port = free_port()
+            args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
+            self.baseline_pid = self._spawn(args, src=self.baseline_src).pid
+            self.baseline_url = f"http://127.0.0.1:{port}"
+            wait_http_ok(self.baseline_url + "/ready", READY_TIMEOUT_S)
         port = free_port()
         naive = str(Path(__file__).with_name("naive_relay.py"))
         self.naive_pid = self._spawn(["--port", str(port), "--workers", workers], naive).pid
@@ -239,12 +263,15 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
         targets = {
             "direct": fleet.worker_urls,
             "gateway": [fleet.gateway_url],
+            "gateway-baseline": [fleet.baseline_url],
             "naive-httpx": [fleet.naive_url],
             "bare-proxy": [fleet.bare_url],
         }[mode]
-        proxy_pid = {"naive-httpx": fleet.naive_pid, "bare-proxy": fleet.bare_pid}.get(
-            mode, fleet.gateway_pid
-        )
+        proxy_pid = {
+            "naive-httpx": fleet.naive_pid,
+            "bare-proxy": fleet.bare_pid,
+            "gateway-baseline": fleet.baseline_pid,
+        }.get(mode, fleet.gateway_pid)
         cpu_before = process_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
             targets, concurrency, body, args.warmup, args.duration
@@ -334,13 +361,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=5.0)
     parser.add_argument("--gateway-log-level", default="info")
     parser.add_argument("--out", type=Path)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="a checkout whose gateway runs as mode gateway-baseline (added to --modes)",
+    )
+    args = parser.parse_args(argv)
+    if args.baseline_src is not None and "gateway-baseline" not in args.modes:
+        args.modes.append("gateway-baseline")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sim_args = ["--time-scale", str(args.time_scale), "--model-name", args.model]
-    fleet = Fleet(args.workers, sim_args, ["--log-level", args.gateway_log_level])
+    gateway_args = ["--log-level", args.gateway_log_level]
+    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src)
     fleet.start()
     try:
         import uvloop

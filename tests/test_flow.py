@@ -191,12 +191,13 @@ def _view(
     waiting: float | None = None,
     running: float = 0.0,
     own_at_scrape: int = 0,
+    kv: float = 0.1,
     batch: int | None = 10,
     healthy: bool = True,
     age_s: float = 0.1,
 ) -> WorkerView:
     reported = (
-        None if waiting is None else ReportedLoad(waiting, running, 0.1, age_s, own_at_scrape)
+        None if waiting is None else ReportedLoad(waiting, running, kv, age_s, own_at_scrape)
     )
     return WorkerView(
         "w", healthy=healthy, in_flight=in_flight, reported=reported, batch_limit=batch
@@ -211,8 +212,9 @@ def _view(
         (_view(12), False),
         (_view(5, waiting=0, running=8, own_at_scrape=0), False),  # 8 sent by others
         (_view(5, waiting=0, running=8, own_at_scrape=5), True),  # those 8 include ours
-        (_view(3, waiting=3, running=3, own_at_scrape=6), False),  # short of KV: 3 waiting
-        (_view(3, waiting=3, running=3, own_at_scrape=6, age_s=5.0), True),  # stale: ignored
+        (_view(3, waiting=3, running=3, own_at_scrape=3), True),  # waiting for the next step
+        (_view(3, waiting=3, running=3, own_at_scrape=6, kv=0.97), False),  # short of KV
+        (_view(3, waiting=3, running=3, own_at_scrape=6, kv=0.97, age_s=5.0), True),  # stale
         (_view(0, healthy=False), False),
         (_view(250, batch=None), True),  # not yet learnt: vLLM's default 256, +26
         (_view(282, batch=None), False),

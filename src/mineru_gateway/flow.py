@@ -26,8 +26,10 @@ cannot fill the queue and lock the others out of it.
 
 Room on a worker: its own requests plus what it reports beyond them, against its batch size
 (`max_num_seqs`, configured or learnt) plus a little headroom, since continuous batching wants a
-few requests waiting to fill each step; and it must not report more waiting than that headroom
-(a worker short of KV cache queues requests before its batch is full).
+few requests waiting to fill each step; and its KV cache must not be (nearly) full, since a
+worker short of KV cache queues requests before its batch is full. The worker's reported
+`waiting` alone is no sign of a full batch: every request waits there until the next engine step,
+so a snapshot shows some waiting at any load.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ class RoomPolicy:
     def has_room(self, view: WorkerView) -> bool:
         if not view.healthy:
             return False
-        batch, headroom = self.limit(view)
         reported = self.load.fresh(view)
-        if reported is not None and reported.waiting > headroom:
-            return False
+        if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
+            return False  # short of KV cache: what is sent now waits inside the worker
+        batch, headroom = self.limit(view)
         return self.occupied(view) < batch + headroom
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:

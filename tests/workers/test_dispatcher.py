@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.errors import NoHealthyWorker, Overloaded, ShuttingDown
+from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import LeastInflight
 from mineru_gateway.workers.dispatcher import Admission, Dispatcher, Grant
@@ -177,3 +177,32 @@ async def test_a_retry_takes_another_worker_without_queueing() -> None:
     retried.release()
     with pytest.raises(NoHealthyWorker):
         dispatcher.retry(retried, ask(), exclude=["http://w0", "http://w1"])
+
+
+async def test_a_waiter_cancelled_just_before_room_appears_is_not_served() -> None:
+    dispatcher = fleet("http://w0", batch=1)
+    holder = await dispatcher.acquire(ask())
+    waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
+    behind = asyncio.ensure_future(dispatcher.acquire(ask(B)))
+    await settle()
+    waiting.cancel()  # its future is cancelled now; its task runs its handler later...
+    holder.release()  # ...after this pump, which must pass it over
+    await settle()
+    assert waiting.cancelled()
+    assert behind.done() and dispatcher.registry.workers[0].in_flight == 1
+    behind.result().release()
+    assert dispatcher.queue.is_idle() and dispatcher.registry.workers[0].in_flight == 0
+
+
+async def test_queued_requests_for_a_model_no_worker_serves_any_more_get_404() -> None:
+    dispatcher = fleet("http://w0", "http://w1", batch=1)
+    w0, w1 = dispatcher.registry.workers
+    w1.models = {"other": {"id": "other"}}
+    holder = await dispatcher.acquire(ask())
+    waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
+    await settle()
+    w0.models = {}  # w0 now serves nothing: no healthy worker serves MODEL
+    holder.release()
+    await settle()
+    assert isinstance(waiting.exception(), ModelNotFound)
+    assert dispatcher.queue.is_idle()

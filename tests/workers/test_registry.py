@@ -6,7 +6,7 @@ import pytest
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import RoundRobin
-from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry, learn_batch
+from mineru_gateway.workers.registry import HealthPolicy, Scrape, WorkerRegistry, learn_batch
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 from mineru_gateway.workers.vllm_metrics import VllmLoad
 from tests.support.workers import Script
@@ -113,10 +113,11 @@ async def test_a_worker_answering_its_probe_with_an_error_is_taken_out_at_once(
 @pytest.mark.parametrize(
     ("readings", "learnt"),
     [
-        ([(0, 5)], 0),  # nothing waits: the batch size is not known
-        ([(3, 128), (0, 100)], 128),  # saturated at 128: that is its batch
-        ([(40, 11), (0, 13), (0, 15)], 15),  # a prefill transient, then it ran more
-        ([(5, 120), (9, 90)], 120),  # the most seen is kept (KV pressure shrinks it for a while)
+        ([(0, 5), (0, 5)], 0),  # nothing waits: the batch size is not known
+        ([(3, 40), (2, 61)], 0),  # requests waiting for the next step, the batch still filling
+        ([(3, 128), (1, 128)], 128),  # a plateau with requests waiting: its batch
+        ([(40, 11), (30, 11), (0, 13), (0, 15)], 15),  # caught short, then it ran more
+        ([(5, 120), (5, 120), (9, 90), (9, 90)], 120),  # the most seen is kept
     ],
 )
 def test_a_workers_batch_size_is_learnt_from_its_reported_load(
@@ -125,7 +126,9 @@ def test_a_workers_batch_size_is_learnt_from_its_reported_load(
     registry = registry_of("http://a:1")
     worker = registry.workers[0]
     for waiting, running in readings:
-        learn_batch(worker, VllmLoad(waiting, running, 0.1, 0.0, 0.0))
+        load = VllmLoad(waiting, running, 0.1, 0.0, 0.0)
+        learn_batch(worker, load)
+        worker.scrape = Scrape(load, 0.0, 0)
     assert worker.batch_seen == learnt
     view = registry.views()[0]
     assert view.batch_limit == (learnt or None)

@@ -88,6 +88,7 @@ class Dispatcher:
         self._clock = clock
         self._pumping = False
         self._closed: GatewayError | None = None
+        self._served: frozenset[str] = frozenset()
         registry.on_change(self.pump)
 
     # -- the relay's side -----------------------------------------------------------------
@@ -176,25 +177,35 @@ class Dispatcher:
             if not any(view.healthy for view in views):
                 self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
                 return
+            self._fail_unservable(views)
             roomy = self.room.roomy(views)
             if not roomy:
                 return
             ticket = self.queue.next(_served_by(roomy))
             if ticket is None:
-                self._fail_unservable(views)
                 return
-            self.queue.pop(ticket)
             waiter = _waiter(ticket)
             self._stop_timer(ticket)
+            if waiter.future.done():
+                # Its task was cancelled in this very instant (the client left) and has not run
+                # its handler yet: it must not be served.
+                self.queue.remove(ticket)
+                continue
+            self.queue.pop(ticket)
             candidates = [view for view in roomy if view.serves(ticket.model)]
             worker = self.registry.choose_among(candidates)
             queued_s = self._clock() - ticket.enqueued_at
             waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
 
     def _fail_unservable(self, views: list[WorkerView]) -> None:
-        """Queued requests for a model no healthy worker serves any more cannot wait for room."""
+        """Queued requests for a model no healthy worker serves any more cannot wait for room.
+        Looked for only when the models the healthy workers serve have changed."""
+        served = frozenset(model for view in views if view.healthy for model in view.models)
+        if served == self._served:
+            return
+        self._served = served
         for ticket in list(self.queue.tickets()):
-            if not candidates_for(views, ticket.model):
+            if ticket.model is not None and ticket.model not in served:
                 self._fail(ticket, self.registry.why_no_candidate(views, ticket.model))
 
     def _grant(

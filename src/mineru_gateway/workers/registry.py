@@ -121,6 +121,7 @@ class Worker:
                 "age_s": round(reported.age_s, 3),
             },
             "inter_token_latency_s": self.itl_s,
+            "batch_seen": self.batch_seen or None,
             "last_error": self.last_error,
             "last_checked": self.last_checked,
         }
@@ -417,11 +418,22 @@ class WorkerRegistry:
 
 
 def learn_batch(worker: Worker, load: VllmLoad) -> None:
-    """A worker's batch size from its own figures. With requests waiting, what runs is its limit
-    (its `max_num_seqs`, or what its KV cache holds); the most seen is kept. A worker that runs
-    more than that, with nothing waiting, had been seen in a transient (a burst of long prompts
-    waits on the step's token budget, not on the batch): the estimate grows to what it ran, and
-    since flow control lets a headroom more through, it keeps growing until requests wait."""
+    """A worker's batch size from its own figures (before `worker.scrape` becomes `load`).
+
+    A snapshot's `waiting` proves nothing by itself: new requests wait for the next engine step
+    at any load, and a burst of long prompts waits on the step's token budget while the batch
+    fills. A plateau does: the same number running in two readings in a row, with requests
+    waiting in both, is the batch's limit (its `max_num_seqs`, or what its KV cache holds). The
+    most seen is kept; a worker seen running more than that had been caught short of it, and
+    since flow control lets a headroom more through, the estimate grows until requests wait.
+    """
     running = round(load.running)
-    if load.waiting > 0 or (worker.batch_seen and running > worker.batch_seen):
+    previous = worker.scrape.load if worker.scrape is not None else None
+    plateau = (
+        previous is not None
+        and load.waiting > 0
+        and previous.waiting > 0
+        and round(previous.running) == running
+    )
+    if plateau or (worker.batch_seen and running > worker.batch_seen):
         worker.batch_seen = max(worker.batch_seen, running)
