@@ -196,9 +196,7 @@ def _view(
     healthy: bool = True,
     age_s: float = 0.1,
 ) -> WorkerView:
-    reported = (
-        None if waiting is None else ReportedLoad(waiting, running, kv, age_s, own_at_scrape)
-    )
+    reported = None if waiting is None else ReportedLoad(waiting, running, kv, age_s, own_at_scrape)
     return WorkerView(
         "w", healthy=healthy, in_flight=in_flight, reported=reported, batch_limit=batch
     )
