@@ -13,6 +13,7 @@ from mineru_gateway.errors import (
     ModelNotFound,
     NoHealthyWorker,
     Overloaded,
+    PermissionDenied,
     RequestTooLarge,
     ShuttingDown,
     UpstreamConnectError,
@@ -59,7 +60,16 @@ def test_the_table_covers_every_error_in_the_module() -> None:
         for value in vars(errors).values()
         if isinstance(value, type) and issubclass(value, GatewayError)
     }
-    assert defined == {Overloaded, *(row[0] for row in TREE)}
+    assert defined == {Overloaded, PermissionDenied, *(row[0] for row in TREE)}
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"), [(None, "admin_key_required"), ("admin_disabled",) * 2]
+)
+def test_permission_denied_is_a_403_whose_code_says_why(code: str | None, expected: str) -> None:
+    error = PermissionDenied("no", code=code)
+    assert (error.status, error.type, error.reason) == (403, "permission_error", expected)
+    assert error.body()["error"]["code"] == expected
 
 
 def test_an_error_without_a_param_says_null() -> None:

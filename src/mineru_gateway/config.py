@@ -192,6 +192,21 @@ class GatewaySettings(BaseSettings):
         "routing (a worker busy with a full batch answers /health late); a refused connection "
         "or an error answer takes it out at once.",
     )
+    media_urls: Literal["data", "allowlist", "any"] = Field(
+        "data",
+        description="Media URLs requests may carry (vLLM fetches them itself): data (inline "
+        "data: URLs only), allowlist (plus media_allowlist), any.",
+    )
+    media_allowlist: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts (docs.example.com) or URL prefixes (https://cdn.example.com/pages/) "
+        "media URLs may name when media_urls is allowlist.",
+    )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Keys for what changes the gateway (POST/DELETE /v1/workers); distinct "
+        "from api_keys. Without them those endpoints are off (403).",
+    )
     flow_control: bool = Field(
         True,
         description="Hold requests in the gateway's own fair queue until a worker has room "
@@ -265,13 +280,20 @@ class GatewaySettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 
-    _split_lists = field_validator("workers", "worker_dns", "api_keys", mode="before")(_split_csv)
+    _split_lists = field_validator(
+        "workers", "worker_dns", "api_keys", "media_allowlist", "admin_keys", mode="before"
+    )(_split_csv)
     _tenants_json = field_validator("tenants", mode="before")(_json_object)
     _all_tenants: dict[str, TenantConfig] = PrivateAttr(default_factory=dict)
 
     def model_post_init(self, context: Any) -> None:
         from_file = read_tenants_file(self.tenants_file) if self.tenants_file else {}
         self._all_tenants = from_file | dict(self.tenants)
+        client_keys = set(self.api_keys).union(
+            *(config.all_keys() for config in self._all_tenants.values())
+        )
+        if client_keys & set(self.admin_keys):
+            raise ValueError("admin_keys must differ from every client key (api_keys, tenants)")
 
     @property
     def tenant_configs(self) -> dict[str, TenantConfig]:

@@ -3,6 +3,7 @@
     GatewayError                      500  internal_error / internal_error
     ├── InvalidRequest                400  invalid_request_error / invalid_request
     ├── AuthenticationFailed          401  authentication_error / invalid_api_key
+    ├── PermissionDenied              403  permission_error / admin_key_required, admin_disabled
     ├── ModelNotFound                 404  invalid_request_error / model_not_found
     ├── RequestTooLarge               413  invalid_request_error / request_too_large
     ├── Overloaded                    429  rate_limit_error / <why>: flow control shed it
@@ -78,6 +79,22 @@ class AuthenticationFailed(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    """An admin act (adding or removing workers) without an admin key, or with admin acts off."""
+
+    status = 403
+    type = "permission_error"
+    code = "admin_key_required"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self._code = code or type(self).code
+
+    @property
+    def reason(self) -> str:
+        return self._code
 
 
 class ModelNotFound(GatewayError):

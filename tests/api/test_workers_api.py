@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
@@ -13,6 +14,7 @@ from tests.support.workers import Script
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
+ADMIN = {"authorization": "Bearer admin-key"}
 
 
 def test_api_keys_guard_v1_but_not_health_or_metrics(
@@ -49,8 +51,8 @@ def test_workers_can_be_added_and_removed_at_run_time(
 ) -> None:
     first = start_sim(model_name="m", time_scale=1.0)
     second = start_sim(model_name="m", time_scale=1.0)
-    gateway = start_gateway([first])
-    added = httpx.post(gateway + "/v1/workers", json={"url": second})
+    gateway = start_gateway([first], admin_keys="admin-key")
+    added = httpx.post(gateway + "/v1/workers", json={"url": second}, headers=ADMIN)
     assert added.status_code == 201
     states = {w["url"]: w["state"] for w in added.json()["workers"]}
     assert states == {first: "healthy", second: "healthy"}
@@ -60,12 +62,14 @@ def test_workers_can_be_added_and_removed_at_run_time(
     body |= {"max_tokens": 30, "ignore_eos": True}
     with httpx.stream("POST", first + CHAT, json=body) as warm:
         warm.read()  # sanity: the worker answers directly
-    httpx.post(gateway + "/v1/workers", json={"url": first})  # adding twice changes nothing
+    httpx.post(gateway + "/v1/workers", json={"url": first}, headers=ADMIN)  # no change
     with httpx.stream("POST", gateway + CHAT, json=body, timeout=30) as response:
         lines = response.iter_lines()
         next(lines)
-        removed = httpx.request("DELETE", gateway + "/v1/workers", json={"url": second})
-        removed = httpx.request("DELETE", gateway + "/v1/workers", json={"url": first})
+        for url in (second, first):
+            removed = httpx.request(
+                "DELETE", gateway + "/v1/workers", json={"url": url}, headers=ADMIN
+            )
         assert [w["url"] for w in removed.json()["workers"]] == []
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
@@ -76,11 +80,42 @@ def test_bad_worker_changes_are_400(
     scripted: tuple[Script, str], start_gateway: StartGateway
 ) -> None:
     _, worker = scripted
-    gateway = start_gateway([worker])
+    gateway = start_gateway([worker], admin_keys="admin-key")
     for payload in ({"url": "ftp://x"}, {}, {"url": "http://h:1/path"}):
-        response = httpx.post(gateway + "/v1/workers", json=payload)
+        response = httpx.post(gateway + "/v1/workers", json=payload, headers=ADMIN)
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "url"
+
+
+def test_changing_workers_needs_an_admin_key_distinct_from_client_keys(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    """A client key must not add its own server and receive other tenants' requests."""
+    _, worker = scripted
+    off = start_gateway([worker], api_keys="client")
+    response = httpx.post(
+        off + "/v1/workers",
+        json={"url": "http://evil:1"},
+        headers={"authorization": "Bearer client"},
+    )
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "admin_disabled"
+    guarded = start_gateway([worker], api_keys="client", admin_keys="admin-key")
+    for headers in ({}, {"authorization": "Bearer client"}, {"authorization": "Bearer nope"}):
+        for method in ("POST", "DELETE"):
+            response = httpx.request(
+                method, guarded + "/v1/workers", json={"url": worker}, headers=headers
+            )
+            assert response.status_code == 403, (method, headers)
+            assert response.json()["error"]["type"] == "permission_error"
+    listing = httpx.get(guarded + "/v1/workers", headers={"authorization": "Bearer client"})
+    assert [w["url"] for w in listing.json()["workers"]] == [worker]  # nothing changed
+    assert httpx.post(guarded + "/v1/workers", json={"url": worker}, headers=ADMIN).is_success
+
+
+def test_admin_keys_must_differ_from_client_keys() -> None:
+    with pytest.raises(ValueError, match="admin_keys must differ"):
+        GatewaySettings(api_keys="k1,k2", admin_keys="k2")
 
 
 def test_workers_found_through_dns(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -22,12 +23,19 @@ from starlette.routing import Route
 
 from mineru_gateway import __version__
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
+from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
-from mineru_gateway.errors import GatewayError, InvalidRequest, NoHealthyWorker, ShuttingDown
+from mineru_gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    NoHealthyWorker,
+    PermissionDenied,
+    ShuttingDown,
+)
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
 from mineru_gateway.routing import LoadModel, make_policy
@@ -88,6 +96,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         tenants=TenantDirectory(settings),
         cost_model=cost_model,
         metrics=metrics,
+        media=MediaPolicy(settings.media_urls, tuple(settings.media_allowlist)),
         lifecycle=lifecycle or Lifecycle(),
     )
 
@@ -261,14 +270,14 @@ def _add_control_routes(app: FastAPI) -> None:
         """Each worker's URL, state, load (own and reported) and last error."""
         return _json(_describe_workers(_context(request)))
 
-    @app.post("/v1/workers", dependencies=[Depends(_authorized)])
+    @app.post("/v1/workers", dependencies=[Depends(_admin)])
     async def add_worker(request: Request, change: WorkerChange) -> Response:
         """Adds a worker at run time; it takes traffic once its health check passes."""
         registry = _context(request).registry
         await registry.check(registry.add(change.url))
         return _json(_describe_workers(_context(request)), 201)
 
-    @app.delete("/v1/workers", dependencies=[Depends(_authorized)])
+    @app.delete("/v1/workers", dependencies=[Depends(_admin)])
     async def remove_worker(request: Request, change: WorkerChange) -> Response:
         """Stops routing new requests to a worker; those already there finish normally."""
         _context(request).registry.remove(change.url)
@@ -277,6 +286,22 @@ def _add_control_routes(app: FastAPI) -> None:
 
 class WorkerChange(BaseModel):
     url: str = Field(pattern=r"^https?://[^/]+$", description="A worker's base URL.")
+
+
+def _admin(request: Request) -> None:
+    """What changes the gateway needs an admin key, distinct from every client key (issue 14):
+    a client must not add its own server and receive other tenants' requests."""
+    keys = _context(request).settings.admin_keys
+    if not keys:
+        raise PermissionDenied(
+            "changing the gateway's workers is off: set MINERU_GATEWAY_ADMIN_KEYS to enable it",
+            code="admin_disabled",
+        )
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode()
+    matched = [hmac.compare_digest(given, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matched):
+        raise PermissionDenied("this needs an admin key (Authorization: Bearer <admin key>)")
 
 
 def _authorized(request: Request) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
@@ -53,6 +54,7 @@ class GatewayContext:
     tenants: TenantDirectory
     cost_model: CostModel
     metrics: GatewayMetrics
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     metrics_registry: CollectorRegistry = field(
         default_factory=lambda: CollectorRegistry(auto_describe=False)
     )

@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 import orjson
 
+from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import estimate_chat, estimate_completion
 
+DATA_ONLY = MediaPolicy()
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Endpoint = Literal["chat", "completions"]
 
@@ -59,7 +61,7 @@ def _too_large(limit: int) -> RequestTooLarge:
     )
 
 
-def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
+def parse_request(endpoint: Endpoint, body: bytes, media: MediaPolicy = DATA_ONLY) -> ParsedRequest:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -67,7 +69,9 @@ def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
     if endpoint == "chat":
-        prompt = estimate_chat(_check_messages(payload.get("messages")))
+        messages = _check_messages(payload.get("messages"))
+        media.check_messages(messages)
+        prompt = estimate_chat(messages)
     else:
         _check_prompt(payload.get("prompt"))
         prompt = estimate_completion(payload.get("prompt"))

@@ -1,0 +1,78 @@
+"""Which media URLs a request may carry (issue 14): vLLM fetches http(s) media itself (and
+`file://` under `--allowed-local-media-path`), so a client that names a URL makes the NPU host
+fetch it, addresses inside the operator's network included (SSRF). Pure: no I/O.
+
+    data       only inline `data:` URLs (the default; MinerU's client sends nothing else)
+    allowlist  `data:` plus URLs whose host, or whose beginning, is on the allowlist
+    any        whatever vLLM would accept
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from mineru_gateway.errors import InvalidRequest
+
+MediaUrlPolicy = Literal["data", "allowlist", "any"]
+
+# Content part types whose payload vLLM may fetch from a URL (OpenAI's and vLLM's own).
+URL_PARTS = ("image_url", "video_url", "audio_url", "input_image")
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    mode: MediaUrlPolicy = "data"
+    allowed: tuple[str, ...] = ()  # hosts ("docs.example.com") or URL prefixes ("https://x/")
+
+    def allows(self, url: str) -> bool:
+        if self.mode == "any" or url.startswith("data:"):
+            return True
+        if self.mode == "data":
+            return False
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
+        web = parts.scheme in ("http", "https")
+        return any(
+            url.startswith(entry) if "://" in entry else web and host == entry.lower()
+            for entry in self.allowed
+        )
+
+    def check_messages(self, messages: Sequence[Any]) -> None:
+        """Raises InvalidRequest (400) naming the message and part of the first refused URL."""
+        if self.mode == "any":
+            return
+        for where, url in _media_urls(messages):
+            if not self.allows(url):
+                raise InvalidRequest(
+                    f"{where}: media URL {url[:80]!r} is not allowed: this gateway accepts "
+                    + (
+                        "inline data: URLs only (send the image base64-encoded)"
+                        if self.mode == "data"
+                        else "data: URLs and its allowlist only"
+                    ),
+                    param=where.replace("[", ".").replace("]", ""),
+                )
+
+
+def _media_urls(messages: Sequence[Any]) -> Iterator[tuple[str, str]]:
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for number, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            for kind in URL_PARTS:
+                url = _url_of(part.get(kind))
+                if url is not None:
+                    yield f"messages[{index}].content[{number}].{kind}", url
+
+
+def _url_of(value: Any) -> str | None:
+    """`{"url": ...}` as OpenAI nests it, or a bare string as some clients send."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else None
