@@ -65,10 +65,17 @@ class TenantConfig(BaseModel):
     max_in_flight: int | None = Field(None, ge=1, description="Requests it may have on workers.")
 
     def all_keys(self) -> list[str]:
-        keys = list(self.keys)
-        for path in self.key_files:
-            keys.extend(line.strip() for line in path.read_text().splitlines() if line.strip())
-        return keys
+        return [*self.keys, *read_key_files(self.key_files)]
+
+
+def read_key_files(paths: list[Path]) -> list[str]:
+    """Keys from files, one per line; blank lines and `#` comments skipped."""
+    keys = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append(line.strip())
+    return keys
 
 
 def read_tenants_file(path: Path) -> dict[str, TenantConfig]:
@@ -202,6 +209,13 @@ class GatewaySettings(BaseSettings):
         description="Hosts (docs.example.com) or URL prefixes (https://cdn.example.com/pages/) "
         "media URLs may name when media_urls is allowlist.",
     )
+    api_key_files: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Files holding more API keys, one per line (Docker/Kubernetes secrets).",
+    )
+    admin_key_files: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="Files holding more admin keys, one per line."
+    )
     admin_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Keys for what changes the gateway (POST/DELETE /v1/workers); distinct "
@@ -281,19 +295,39 @@ class GatewaySettings(BaseSettings):
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 
     _split_lists = field_validator(
-        "workers", "worker_dns", "api_keys", "media_allowlist", "admin_keys", mode="before"
+        "workers",
+        "worker_dns",
+        "api_keys",
+        "media_allowlist",
+        "admin_keys",
+        "api_key_files",
+        "admin_key_files",
+        mode="before",
     )(_split_csv)
     _tenants_json = field_validator("tenants", mode="before")(_json_object)
     _all_tenants: dict[str, TenantConfig] = PrivateAttr(default_factory=dict)
+    _client_keys: tuple[str, ...] = PrivateAttr(default=())
+    _admin_keys: tuple[str, ...] = PrivateAttr(default=())
 
     def model_post_init(self, context: Any) -> None:
         from_file = read_tenants_file(self.tenants_file) if self.tenants_file else {}
         self._all_tenants = from_file | dict(self.tenants)
-        client_keys = set(self.api_keys).union(
+        self._client_keys = (*self.api_keys, *read_key_files(self.api_key_files))
+        self._admin_keys = (*self.admin_keys, *read_key_files(self.admin_key_files))
+        client_keys = set(self._client_keys).union(
             *(config.all_keys() for config in self._all_tenants.values())
         )
-        if client_keys & set(self.admin_keys):
+        if client_keys & set(self._admin_keys):
             raise ValueError("admin_keys must differ from every client key (api_keys, tenants)")
+
+    @property
+    def client_keys(self) -> tuple[str, ...]:
+        """`api_keys` and the keys in `api_key_files` (tenants' own keys not included)."""
+        return self._client_keys
+
+    @property
+    def all_admin_keys(self) -> tuple[str, ...]:
+        return self._admin_keys
 
     @property
     def tenant_configs(self) -> dict[str, TenantConfig]:

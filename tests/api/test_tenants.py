@@ -100,3 +100,22 @@ def test_the_readme_example_is_a_valid_tenants_file(tmp_path: Path) -> None:
     assert set(settings.tenant_configs) == {"batch", "interactive"}
     directory = TenantDirectory(settings)
     assert directory.authenticate(bearer("sk-interactive")).name == "interactive"
+
+
+def test_client_and_admin_keys_can_come_from_files(tmp_path: Path) -> None:
+    """Docker and Kubernetes mount secrets as files: one key per line, comments skipped."""
+    clients, admins = tmp_path / "clients", tmp_path / "admins"
+    clients.write_text("# client keys\nsk-file-1\n\nsk-file-2\n")
+    admins.write_text("adm-file\n")
+    settings = GatewaySettings(
+        api_keys="sk-env", api_key_files=str(clients), admin_key_files=str(admins)
+    )
+    assert settings.client_keys == ("sk-env", "sk-file-1", "sk-file-2")
+    assert settings.all_admin_keys == ("adm-file",)
+    directory = TenantDirectory(settings)
+    assert directory.authenticate(bearer("sk-file-2")).name.startswith("key-")
+    with pytest.raises(AuthenticationFailed):
+        directory.authenticate(bearer("adm-file"))  # an admin key is not a client key
+    admins.write_text("sk-file-1\n")
+    with pytest.raises(ValueError, match="admin_keys must differ"):
+        GatewaySettings(api_key_files=str(clients), admin_key_files=str(admins))

@@ -291,7 +291,7 @@ class WorkerChange(BaseModel):
 def _admin(request: Request) -> None:
     """What changes the gateway needs an admin key, distinct from every client key (issue 14):
     a client must not add its own server and receive other tenants' requests."""
-    keys = _context(request).settings.admin_keys
+    keys = _context(request).settings.all_admin_keys
     if not keys:
         raise PermissionDenied(
             "changing the gateway's workers is off: set MINERU_GATEWAY_ADMIN_KEYS to enable it",

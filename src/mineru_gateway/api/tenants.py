@@ -33,7 +33,7 @@ class TenantDirectory:
             )
 
         self._by_key: dict[bytes, TenantPolicy] = {}
-        for key in settings.api_keys:
+        for key in settings.client_keys:
             self._by_key[key.encode()] = policy(_key_name(key))
         for name, config in settings.tenant_configs.items():
             named = TenantPolicy(
