@@ -273,6 +273,9 @@ class GatewaySettings(BaseSettings):
         description="Requests allowed to wait on a worker beyond its batch, as a share of it: "
         "continuous batching fills its steps from a few waiting requests.",
     )
+    batch_headroom_min: int = Field(
+        2, ge=0, description="The least headroom, in requests, whatever the batch size."
+    )
     pass_priority: bool = Field(
         False,
         description="Forward each request's effective priority to the workers (start them with "

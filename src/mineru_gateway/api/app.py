@@ -111,7 +111,11 @@ def build_dispatcher(
             max_wait_s=settings.max_queue_wait_s,
         )
     )
-    room = RoomPolicy(headroom=settings.batch_headroom, load=load_model)
+    room = RoomPolicy(
+        headroom=settings.batch_headroom,
+        min_headroom=settings.batch_headroom_min,
+        load=load_model,
+    )
     return Dispatcher(registry, queue, room, enabled=settings.flow_control)
 
 
