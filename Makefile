@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
-	bench-routing bench-routing-vllm vllm-router clean
+	bench-routing bench-routing-vllm bench-flow vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,14 @@ bench: install
 	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
 	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
 		--out benchmarks/results/metrics_cost.json
+
+## Flow control against pass-through, same run (issue 13): the two-key flood (about 9 minutes),
+## offered load 0.5x-3x capacity (about 9), a single user's cost (about 5). benchmarks/results/.
+bench-flow: install
+	$(BIN)/python -m benchmarks.flow --scenario flood
+	$(BIN)/python -m benchmarks.flow --scenario sweep
+	$(BIN)/python -m benchmarks.flow --scenario single
+	$(BIN)/python -m benchmarks.flow --scenario report
 
 ## The peer router the routing benchmark compares against (a Rust binary in a PyPI wheel).
 VLLM_ROUTER_VENV ?= $(CACHE)/vllm-router-0.1.17
