@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
-	bench-routing bench-routing-vllm bench-flow vllm-router clean
+	bench-routing bench-routing-vllm bench-flow bench-flow-vllm vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench-flow: install
 	$(BIN)/python -m benchmarks.flow --scenario sweep
 	$(BIN)/python -m benchmarks.flow --scenario single
 	$(BIN)/python -m benchmarks.flow --scenario report
+
+## The flood on two real vLLM workers (CPU, small model; about 7 minutes).
+bench-flow-vllm: install small-model
+	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m benchmarks.flow --scenario vllm \
+		--set model=$(SMALL_MODEL) --out benchmarks/results/flow_vllm.json
 
 ## The peer router the routing benchmark compares against (a Rust binary in a PyPI wheel).
 VLLM_ROUTER_VENV ?= $(CACHE)/vllm-router-0.1.17

@@ -268,13 +268,17 @@ class GatewaySettings(BaseSettings):
         "metrics when unset (256, vLLM's default, until then).",
     )
     batch_headroom: float = Field(
-        0.1,
+        0.0,
         ge=0,
-        description="Requests allowed to wait on a worker beyond its batch, as a share of it: "
-        "continuous batching fills its steps from a few waiting requests.",
+        description="Requests allowed to wait on a worker beyond its batch, as a share of it, on "
+        "top of batch_headroom_min. What waits there is served first-come by the worker, ahead "
+        "of other tenants: measured, 10% bought no throughput and cost another key 2x TTFT.",
     )
     batch_headroom_min: int = Field(
-        2, ge=0, description="The least headroom, in requests, whatever the batch size."
+        2,
+        ge=0,
+        description="The least headroom, in requests, whatever the batch size: a freed slot is "
+        "refilled from the worker's own queue while the gateway's next request is on its way.",
     )
     pass_priority: bool = Field(
         False,

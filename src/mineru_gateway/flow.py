@@ -49,7 +49,7 @@ class RoomPolicy:
     """When a worker can take one more request without queueing it behind a full batch."""
 
     default_batch: int = 256  # vLLM's default max_num_seqs, until a worker's own is learnt
-    headroom: float = 0.1  # requests allowed to wait on a worker, as a share of its batch
+    headroom: float = 0.0  # requests allowed to wait on a worker, as a share of its batch
     min_headroom: int = 2
     load: LoadModel = field(default_factory=LoadModel)
 
