@@ -272,7 +272,8 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Requests allowed to wait on a worker beyond its batch, as a share of it, on "
         "top of batch_headroom_min. What waits there is served first-come by the worker, ahead "
-        "of other tenants: measured, 10% bought no throughput and cost another key 2x TTFT.",
+        "of other tenants: measured, a tenth of the batch bought no throughput and cost another "
+        "key 2x TTFT.",
     )
     batch_headroom_min: int = Field(
         2,

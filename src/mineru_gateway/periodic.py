@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 
 
 class Periodic:
-    """Runs `action` every `interval_s` (measured start to start) in a task, until `stop()`.
+    """Runs `action` in a task, `interval_s` after the end of its previous run, until `stop()`.
 
-    `immediately`: the first run starts at once rather than after one interval.
+    Measured end to start, so a slow action (a worker answering `/metrics` late under load)
+    spaces the runs out instead of running back to back. `immediately`: the first run starts at
+    once rather than after one interval.
     """
 
     def __init__(
@@ -48,9 +49,8 @@ class Periodic:
         if not self._immediately:
             await asyncio.sleep(self.interval_s)
         while True:
-            started = time.monotonic()
             await self._action()
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+            await asyncio.sleep(self.interval_s)
 
 
 async def stop_all(loops: list[Periodic]) -> None:
