@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -14,7 +13,7 @@ from typing import Any
 
 import uvloop
 from benchmarks.routing import fleet
-from benchmarks.routing.runs import git_commit
+from benchmarks.routing.runs import git_commit, stop_on_sigterm
 
 from . import common, flood, report, single, sweep, vllm
 from .stand import raise_fd_limit
@@ -76,15 +75,6 @@ def plan_from(args: argparse.Namespace) -> Any:
     return replace(plan, **changes)
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM ends the run like Ctrl-C, so `finally` blocks stop every child process."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):
@@ -92,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scenario == "report":
         print(report.write_summary(common.RESULTS))
         return 0
-    _stop_on_sigterm()
+    stop_on_sigterm()
     raise_fd_limit()
     plan = plan_from(args)
     started = time.time()

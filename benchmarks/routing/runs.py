@@ -6,6 +6,7 @@ processes disturb them, and the commit that was measured.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -71,3 +72,12 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" (src/ modified)" if dirty else "")
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C, so `finally` blocks stop every child process."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +38,14 @@ import aiohttp
 import uvloop
 
 from . import fleet, loadgen, report, vllm_real, workload
-from .runs import FOREIGN_CPU_LIMIT, MACHINE_BUSY_LIMIT, cpu_share, git_commit, least_disturbed
+from .runs import (
+    FOREIGN_CPU_LIMIT,
+    MACHINE_BUSY_LIMIT,
+    cpu_share,
+    git_commit,
+    least_disturbed,
+    stop_on_sigterm,
+)
 from .stats import RunResult, passes, summarise
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -488,18 +494,9 @@ def _fill_defaults(args: argparse.Namespace) -> None:
         args.out = RESULTS / (f"{stem}_quick.json" if quick else f"{stem}.json")
 
 
-def _stop_on_sigterm() -> None:
-    """SIGTERM ends the run like Ctrl-C, so `finally` blocks stop every child process."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    _stop_on_sigterm()
+    stop_on_sigterm()
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
     if args.engine == "vllm":
