@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
-	bench-routing bench-routing-vllm bench-flow bench-flow-vllm vllm-router clean
+	bench-routing bench-routing-vllm bench-flow bench-flow-vllm mineru-vl-utils bench-mineru-client vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,16 @@ bench-flow: install
 bench-flow-vllm: install small-model
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m benchmarks.flow --scenario vllm \
 		--set model=$(SMALL_MODEL) --out benchmarks/results/flow_vllm.json
+
+## MinerU's own client (mineru-vl-utils 2.0.7, in its own virtualenv) parsing 100 pages through an
+## overloaded gateway (issue 13, measure 4; about 10 minutes). Results: benchmarks/results/.
+MINERU_VL_UTILS_VENV ?= $(CACHE)/mineru-vl-utils-2.0.7
+mineru-vl-utils: install
+	$(BIN)/python -m benchmarks.mineru_client.client_venv --venv $(MINERU_VL_UTILS_VENV)
+
+bench-mineru-client: install mineru-vl-utils
+	$(BIN)/python -m benchmarks.mineru_client --pages 100 --venv $(MINERU_VL_UTILS_VENV) \
+		--out benchmarks/results/flow_mineru_client.json
 
 ## The peer router the routing benchmark compares against (a Rust binary in a PyPI wheel).
 VLLM_ROUTER_VENV ?= $(CACHE)/vllm-router-0.1.17

@@ -1,0 +1,61 @@
+"""MinerU's own client (`mineru-vl-utils`) in a virtualenv of its own, created on first use.
+
+Its base install is what its `http-client` backend needs and nothing heavy: httpx, httpx-retries,
+aiofiles, pillow, pydantic, loguru, tqdm. torch, transformers and vLLM are only in its extras
+(`[transformers]`, `[vllm]`, ...), which are not installed. After installing, this checks that no
+torch, vllm or transformers came along and stops with an error if one did.
+
+    python -m benchmarks.mineru_client.client_venv        # create or reuse, print its python
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VERSION = "2.0.7"
+PACKAGE = f"mineru-vl-utils=={VERSION}"
+PYTHON = os.environ.get("PYTHON", "python3.11")
+CACHE = Path(os.environ.get("MINERU_CACHE", Path.home() / ".cache" / "mineru-gateway"))
+DEFAULT_VENV = Path(os.environ.get("MINERU_VL_UTILS_VENV", CACHE / f"mineru-vl-utils-{VERSION}"))
+HEAVY = ("torch", "vllm", "transformers", "nvidia-cudnn-cu12", "triton")
+MARKER = ".installed"
+
+
+def ensure(venv: Path = DEFAULT_VENV, quiet: bool = True) -> Path:
+    """The venv's python, with `mineru-vl-utils==VERSION` installed (created if missing)."""
+    python = venv / "bin" / "python"
+    if (venv / MARKER).exists() and python.exists():
+        return python
+    if not python.exists():
+        subprocess.run([PYTHON, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", *(["--quiet"] if quiet else [])]
+    subprocess.run([*pip, "install", "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "install", PACKAGE], check=True)
+    installed = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=freeze"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.lower()
+    names = {line.split("==")[0] for line in installed.splitlines()}
+    heavy = sorted(name for name in HEAVY if name in names)
+    if heavy:
+        raise SystemExit(f"{venv}: {PACKAGE} pulled in {', '.join(heavy)}; stopping")
+    (venv / MARKER).write_text(installed)
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    args = parser.parse_args(argv)
+    print(ensure(args.venv, quiet=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
