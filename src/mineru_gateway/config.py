@@ -314,19 +314,27 @@ class GatewaySettings(BaseSettings):
     )(_split_csv)
     _tenants_json = field_validator("tenants", mode="before")(_json_object)
     _all_tenants: dict[str, TenantConfig] = PrivateAttr(default_factory=dict)
+    _tenant_keys: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
     _client_keys: tuple[str, ...] = PrivateAttr(default=())
     _admin_keys: tuple[str, ...] = PrivateAttr(default=())
 
     def model_post_init(self, context: Any) -> None:
         from_file = read_tenants_file(self.tenants_file) if self.tenants_file else {}
         self._all_tenants = from_file | dict(self.tenants)
+        # Key files are read once, here: a secret rotated on disk takes a restart.
+        self._tenant_keys = {
+            name: tuple(config.all_keys()) for name, config in self._all_tenants.items()
+        }
         self._client_keys = (*self.api_keys, *read_key_files(self.api_key_files))
         self._admin_keys = (*self.admin_keys, *read_key_files(self.admin_key_files))
-        client_keys = set(self._client_keys).union(
-            *(config.all_keys() for config in self._all_tenants.values())
-        )
+        client_keys = set(self._client_keys).union(*self._tenant_keys.values())
         if client_keys & set(self._admin_keys):
             raise ValueError("admin_keys must differ from every client key (api_keys, tenants)")
+
+    @property
+    def tenant_keys(self) -> dict[str, tuple[str, ...]]:
+        """Each named tenant's keys, its `keys` and the contents of its `key_files`."""
+        return dict(self._tenant_keys)
 
     @property
     def client_keys(self) -> tuple[str, ...]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import random
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -22,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mineru_gateway import __version__
+from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
@@ -97,6 +97,7 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         cost_model=cost_model,
         metrics=metrics,
         media=MediaPolicy(settings.media_urls, tuple(settings.media_allowlist)),
+        priority_header=settings.priority_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
     )
 
@@ -301,10 +302,8 @@ def _admin(request: Request) -> None:
             "changing the gateway's workers is off: set MINERU_GATEWAY_ADMIN_KEYS to enable it",
             code="admin_disabled",
         )
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip().encode()
-    matched = [hmac.compare_digest(given, key.encode()) for key in keys]
-    if scheme.lower() != "bearer" or not any(matched):
+    header = request.headers.get("authorization", "").encode()
+    if not bearer_match(header, ((key.encode(), True) for key in keys)):
         raise PermissionDenied("this needs an admin key (Authorization: Bearer <admin key>)")
 
 

@@ -55,14 +55,11 @@ class GatewayContext:
     cost_model: CostModel
     metrics: GatewayMetrics
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    priority_header: bytes = b"x-priority"  # lower-cased, as ASGI gives header names
     metrics_registry: CollectorRegistry = field(
         default_factory=lambda: CollectorRegistry(auto_describe=False)
     )
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
-
-    @property
-    def priority_header(self) -> bytes:
-        return self.settings.priority_header.lower().encode("latin-1")
 
     def lifespan_state(self) -> dict[str, Any]:
         """What the lifespan yields: ASGI copies it into every request's scope["state"]."""

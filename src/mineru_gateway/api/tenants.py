@@ -13,8 +13,8 @@ Names are bounded by the configuration, so they are safe as metric labels.
 from __future__ import annotations
 
 import hashlib
-import hmac
 
+from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.errors import AuthenticationFailed
 from mineru_gateway.flow import TenantPolicy
@@ -45,7 +45,7 @@ class TenantDirectory:
                 max_queued_bytes=_either(config.max_queued_bytes, settings.tenant_max_queued_bytes),
                 max_in_flight=_either(config.max_in_flight, settings.tenant_max_in_flight),
             )
-            for key in config.all_keys():
+            for key in settings.tenant_keys[name]:
                 self._by_key[key.encode()] = named
         self.default = policy(DEFAULT_TENANT)
 
@@ -65,16 +65,10 @@ class TenantDirectory:
 
     def authenticate(self, authorization: bytes | None) -> TenantPolicy:
         """The tenant whose key `authorization` bears (`Bearer <key>`); the default tenant when
-        the gateway checks no keys. Raises AuthenticationFailed. Every key is compared in
-        constant time, and all of them are, so timing tells nothing about which matched."""
+        the gateway checks no keys. Raises AuthenticationFailed."""
         if not self._by_key:
             return self.default
-        scheme, _, token = (authorization or b"").partition(b" ")
-        given = token.strip()
-        found: TenantPolicy | None = None
-        for key, policy in self._by_key.items():
-            if hmac.compare_digest(given, key) and scheme.lower() == b"bearer":
-                found = policy
+        found = bearer_match(authorization, self._by_key.items())
         if found is None:
             raise AuthenticationFailed("missing or invalid API key (Authorization: Bearer <key>)")
         return found

@@ -20,15 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import structlog
-
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
 from mineru_gateway.routing import WorkerView, candidates_for
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
-
-log = structlog.get_logger("mineru_gateway.flow")
 
 
 @dataclass(frozen=True, slots=True)
