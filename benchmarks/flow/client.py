@@ -121,7 +121,26 @@ async def stream_once(
         call.error = type(error).__name__
 
 
-class Interactive:
+class _TenantClient:
+    """What both clients share: one tenant's key, requests, seeded randomness and calls."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        key: str | None,
+        tenant: str,
+        requests: Sequence[Request],
+        seed: int,
+    ) -> None:
+        self.session, self.url, self.tenant = session, url, tenant
+        self.headers = auth(key)
+        self.requests = requests
+        self.rng = random.Random(seed)
+        self.calls: list[Call] = []
+
+
+class Interactive(_TenantClient):
     """Open-loop streamed requests of one tenant at a Poisson `rate` (wall requests/s)."""
 
     def __init__(
@@ -134,12 +153,8 @@ class Interactive:
         rate: float,
         seed: int,
     ) -> None:
-        self.session, self.url, self.tenant = session, url, tenant
-        self.headers = auth(key)
-        self.requests = requests
+        super().__init__(session, url, key, tenant, requests, seed)
         self.rate = rate
-        self.rng = random.Random(seed)
-        self.calls: list[Call] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, until: float, settle_s: float) -> list[Call]:
@@ -168,7 +183,7 @@ class Interactive:
         return self.calls
 
 
-class MineruBatch:
+class MineruBatch(_TenantClient):
     """A closed loop of `concurrency` MinerU client slots for one tenant (see module doc)."""
 
     def __init__(
@@ -181,12 +196,8 @@ class MineruBatch:
         concurrency: int,
         seed: int,
     ) -> None:
-        self.session, self.url, self.tenant = session, url, tenant
-        self.headers = auth(key)
-        self.requests = requests
+        super().__init__(session, url, key, tenant, requests, seed)
         self.concurrency = concurrency
-        self.rng = random.Random(seed)
-        self.calls: list[Call] = []
         self.retry_afters: list[float] = []  # every Retry-After answered, seconds
         self._next = itertools.count()
         self.started = 0.0

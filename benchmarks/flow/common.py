@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from benchmarks.routing import workload
 from benchmarks.routing.runs import git_commit
 from benchmarks.routing.stats import percentile
 
-from .client import Call, non_streaming
+from .client import Call, MineruBatch, non_streaming
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_KINDS = ("text", "formula")  # short MinerU block requests (tables answer at length)
@@ -130,3 +131,29 @@ def fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
     if value is None:
         return "n/a"
     return f"{value:.{digits}f}{unit}"
+
+
+async def saturate(
+    session: aiohttp.ClientSession,
+    url: str,
+    requests: Sequence[workload.Request],
+    concurrency: int,
+    seed: int,
+    clock: Clock,
+    warmup_s: float,
+    window_s: float,
+) -> tuple[dict[str, Any], list[Call]]:
+    """A saturating closed loop of MinerU slots through `url` (one tenant, no key): completed
+    requests and output tokens per engine second inside the window after `warmup_s`, and the
+    calls."""
+    window_start = time.perf_counter() + clock.wall(warmup_s)
+    stop = window_start + clock.wall(window_s)
+    batch = MineruBatch(session, url, None, "default", requests, concurrency, seed)
+    calls = await batch.run(stop, stop, drain=False)
+    done, tokens = completed_in(calls, window_start, stop)
+    figures = {
+        "requests_per_s": round(clock.rate(done, stop - window_start), 2),
+        "output_tokens_per_s": round(clock.rate(tokens, stop - window_start), 1),
+        "errors": sum(c.error is not None for c in calls),
+    }
+    return figures, calls

@@ -13,7 +13,6 @@ drift of the shared machine hits both modes alike; figures are then the means of
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -24,8 +23,8 @@ from benchmarks.routing import fleet, loadgen, workload
 from benchmarks.routing.runs import MACHINE_BUSY_LIMIT, least_disturbed
 
 from . import stand
-from .client import MineruBatch, new_session
-from .common import Clock, batch_requests, check, completed_in, fmt, latency_summary, ratio
+from .client import new_session
+from .common import Clock, batch_requests, check, fmt, latency_summary, ratio, saturate
 
 
 @dataclass(frozen=True)
@@ -134,22 +133,21 @@ async def saturation(
         foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
         meter = stand.CpuMeter(parts)
         meter.start()
-        start = time.perf_counter()
-        window_start = start + clock.wall(plan.saturation_warmup_s)
-        stop = window_start + clock.wall(plan.saturation_window_s)
-        batch = MineruBatch(
-            session, gateway.url, None, "default", requests, plan.concurrency, plan.seed
+        figures, calls = await saturate(
+            session,
+            gateway.url,
+            requests,
+            plan.concurrency,
+            plan.seed,
+            clock,
+            plan.saturation_warmup_s,
+            plan.saturation_window_s,
         )
-        calls = await batch.run(stop, stop, drain=False)
         cpu = meter.stop()
         await fleet.wait_idle(session, workers.urls)
     finally:
         gateway.stop()
-    done, tokens = completed_in(calls, window_start, stop)
-    return {
-        "requests_per_s": round(clock.rate(done, stop - window_start), 2),
-        "output_tokens_per_s": round(clock.rate(tokens, stop - window_start), 1),
-        "errors": sum(c.error is not None for c in calls),
+    return figures | {
         "rejected": sum(c.rejected for c in calls),
         "cpu": cpu,
         "foreign_cores_before": foreign,

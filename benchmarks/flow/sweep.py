@@ -24,8 +24,8 @@ from benchmarks.routing import fleet, loadgen, workload
 from benchmarks.routing.runs import MACHINE_BUSY_LIMIT, least_disturbed
 
 from . import stand
-from .client import MineruBatch, new_session
-from .common import Clock, batch_requests, check, completed_in, fmt, latency_summary, ratio
+from .client import new_session
+from .common import Clock, batch_requests, check, fmt, latency_summary, ratio, saturate
 
 
 @dataclass(frozen=True)
@@ -92,23 +92,21 @@ async def capacity(
     """Completions per second of a saturating closed loop through the pass-through gateway."""
     gateway = await stand.start_gateway(procs, workers.urls, "pass_through", extra)
     try:
-        start = time.perf_counter()
-        window_start = start + clock.wall(plan.capacity_warmup_s)
-        stop = window_start + clock.wall(plan.capacity_window_s)
         requests = batch_requests(plan.seed + 40, 4000)
-        batch = MineruBatch(
-            session, gateway.url, None, "default", requests, plan.capacity_concurrency, plan.seed
+        figures, _calls = await saturate(
+            session,
+            gateway.url,
+            requests,
+            plan.capacity_concurrency,
+            plan.seed,
+            clock,
+            plan.capacity_warmup_s,
+            plan.capacity_window_s,
         )
-        calls = await batch.run(stop, stop, drain=False)
         await fleet.wait_idle(session, workers.urls)
     finally:
         gateway.stop()
-    done, tokens = completed_in(calls, window_start, stop)
-    return {
-        "requests_per_s": round(clock.rate(done, stop - window_start), 2),
-        "output_tokens_per_s": round(clock.rate(tokens, stop - window_start), 1),
-        "errors": sum(c.error is not None for c in calls),
-    }
+    return figures
 
 
 async def guarded_load(
