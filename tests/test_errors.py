@@ -9,6 +9,7 @@ from mineru_gateway import errors
 from mineru_gateway.errors import (
     AuthenticationFailed,
     GatewayError,
+    HeadersTooLarge,
     InvalidRequest,
     ModelNotFound,
     NoHealthyWorker,
@@ -27,7 +28,15 @@ TREE = [
     (InvalidRequest, GatewayError, 400, "invalid_request_error", "invalid_request"),
     (AuthenticationFailed, GatewayError, 401, "authentication_error", "invalid_api_key"),
     (ModelNotFound, GatewayError, 404, "invalid_request_error", "model_not_found"),
+    (PermissionDenied, GatewayError, 403, "permission_error", "admin_key_required"),
     (RequestTooLarge, GatewayError, 413, "invalid_request_error", "request_too_large"),
+    (
+        HeadersTooLarge,
+        GatewayError,
+        431,
+        "invalid_request_error",
+        "request_header_fields_too_large",
+    ),
     (UpstreamError, GatewayError, 502, "upstream_error", "upstream_error"),
     (UpstreamConnectError, UpstreamError, 502, "upstream_error", "upstream_connect_error"),
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
@@ -60,7 +69,13 @@ def test_the_table_covers_every_error_in_the_module() -> None:
         for value in vars(errors).values()
         if isinstance(value, type) and issubclass(value, GatewayError)
     }
-    assert defined == {Overloaded, PermissionDenied, *(row[0] for row in TREE)}
+    assert defined == {Overloaded, *(row[0] for row in TREE)}
+
+
+def test_an_error_may_carry_a_more_specific_code() -> None:
+    error = InvalidRequest("too many", code="too_many_images")
+    assert error.reason == error.body()["error"]["code"] == "too_many_images"
+    assert error.status == 400
 
 
 @pytest.mark.parametrize(

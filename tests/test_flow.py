@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterator
 
@@ -222,13 +223,47 @@ def test_room_on_a_worker(view: WorkerView, room: bool) -> None:
     assert RoomPolicy().has_room(view) is room
 
 
-def test_drain_rate_and_retry_after() -> None:
-    rate = DrainRate(window_s=10.0)
-    assert rate.retry_after(100, now=0.0) == 5.0  # nothing drained yet: a guess
+def test_drain_rate_reads_the_pace_of_dispatches_in_its_window() -> None:
+    rate = DrainRate(window_s=10.0, min_span_s=5.0)
+    assert rate.rate(0.0) == 0.0
     for step in range(21):
         rate.record(step * 0.5)  # 2 per second
     assert rate.rate(10.0) == pytest.approx(2.1, abs=0.1)
-    assert rate.retry_after(20, now=10.0) == pytest.approx(10, abs=1)
-    assert rate.retry_after(10_000, now=10.0) == 120.0  # MinerU honours up to 120 s
-    assert rate.retry_after(0, now=10.0) == 1.0
     assert rate.rate(100.0) == 0.0  # the window has passed
+
+
+def test_a_burst_does_not_read_as_the_fleets_pace() -> None:
+    rate = DrainRate(window_s=10.0, min_span_s=5.0)
+    for _ in range(12):
+        rate.record(1.0)  # idle workers filled in one instant
+    assert rate.rate(1.001) == pytest.approx(12 / 5)
+
+
+def test_requests_refused_together_are_told_to_come_back_one_dispatch_apart() -> None:
+    rate = DrainRate(window_s=10.0, min_span_s=5.0)
+    for step in range(21):
+        rate.record(step * 0.5)  # ~2 per second
+    waits = [rate.retry_after(8, now=10.0) for _ in range(40)]
+    assert waits[0] == pytest.approx(8 / 2.1, abs=0.2)  # the queue ahead drains first
+    gaps = {round(b - a, 6) for a, b in itertools.pairwise(waits)}
+    assert gaps == {round(1 / rate.rate(10.0), 6)}  # then one slot each
+    assert waits[-1] == pytest.approx((8 + 39) / 2.1, abs=1)
+
+
+def test_slots_already_passed_do_not_delay_later_refusals() -> None:
+    rate = DrainRate(window_s=10.0, min_span_s=5.0)
+    for step in range(21):
+        rate.record(step * 0.5)
+    for _ in range(10):
+        rate.retry_after(0, now=10.0)  # slots up to ~5 s ahead
+    for step in range(21):
+        rate.record(30.0 + step * 0.5)
+    assert rate.retry_after(4, now=40.0) == pytest.approx(4 / 2.1, abs=0.2)
+
+
+def test_retry_after_stays_between_one_second_and_what_mineru_honours() -> None:
+    rate = DrainRate(window_s=10.0, min_span_s=5.0)
+    assert rate.retry_after(0, now=0.0) == 1.0  # nothing dispatched: 1 per second assumed
+    assert rate.retry_after(5, now=0.0) == pytest.approx(5.0)
+    assert rate.retry_after(10_000, now=0.0) == 120.0
+    assert rate.retry_after(10_000, now=0.0) == 120.0  # slots do not run away past the cap

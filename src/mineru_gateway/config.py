@@ -161,6 +161,36 @@ class GatewaySettings(BaseSettings):
         description="Largest accepted request body; larger ones get 413. Page images travel as "
         "base64 inside the JSON body, so this bounds the image size a client can send.",
     )
+    max_header_bytes: int = Field(
+        32 * 1024, gt=0, description="Largest total size of a request's headers; past it 431."
+    )
+    max_headers: int = Field(100, gt=0, description="Most headers a request may carry; 431.")
+    max_json_depth: int = Field(64, gt=0, description="Deepest nesting of a request body; 400.")
+    max_messages: int = Field(1024, gt=0, description="Most messages in a chat request; 400.")
+    max_content_parts: int = Field(
+        1024, gt=0, description="Most content parts in all of a chat request's messages; 400."
+    )
+    max_images: int = Field(
+        32, gt=0, description="Most images (and other media) in one request; 400."
+    )
+    max_image_pixels: int = Field(
+        89_478_485,
+        gt=0,
+        description="Most pixels of one image, read from its header, not decoded (PIL's own "
+        "decompression-bomb threshold); 400.",
+    )
+    max_image_side: int = Field(32768, gt=0, description="Longest side of one image; 400.")
+    max_image_aspect: float = Field(
+        200.0,
+        gt=1,
+        description="Longest ratio of an image's sides (Qwen2-VL's processor refuses past "
+        "200); 400.",
+    )
+    max_tokens_limit: int | None = Field(
+        None,
+        gt=0,
+        description="Optional ceiling on a request's max_tokens / max_completion_tokens; 400.",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to a worker.")
     first_byte_timeout_s: float = Field(
         600.0,

@@ -1,11 +1,15 @@
 """Every error the gateway reports, and how each becomes an OpenAI-style body and status.
 
     GatewayError                      500  internal_error / internal_error
-    ├── InvalidRequest                400  invalid_request_error / invalid_request
+    ├── InvalidRequest                400  invalid_request_error / invalid_request, or a
+    │                                      limit's code (json_too_deep, too_many_images,
+    │                                      image_too_large, ...: api/limits.py)
     ├── AuthenticationFailed          401  authentication_error / invalid_api_key
     ├── PermissionDenied              403  permission_error / admin_key_required, admin_disabled
     ├── ModelNotFound                 404  invalid_request_error / model_not_found
     ├── RequestTooLarge               413  invalid_request_error / request_too_large
+    ├── HeadersTooLarge               431  invalid_request_error /
+    │                                      request_header_fields_too_large
     ├── Overloaded                    429  rate_limit_error / <why>: flow control shed it
     │                                      (queue_full, tenant_queue_full, queue_timeout, ...)
     └── UpstreamError                 502  upstream_error / upstream_error (a worker failed us)
@@ -37,17 +41,23 @@ class GatewayError(Exception):
     code: ClassVar[str] = "internal_error"
 
     def __init__(
-        self, message: str, *, param: str | None = None, retry_after_s: float | None = None
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
+        self._code = code  # a more specific code than the class's (`too_many_images`, ...)
 
     @property
     def reason(self) -> str:
-        """The error's code, as outcome labels and logs name it."""
-        return self.code
+        """The error's code, as the body, outcome labels and logs name it."""
+        return self._code or self.code
 
     def body(self) -> dict[str, Any]:
         return {
@@ -88,14 +98,6 @@ class PermissionDenied(GatewayError):
     type = "permission_error"
     code = "admin_key_required"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
-        super().__init__(message)
-        self._code = code or type(self).code
-
-    @property
-    def reason(self) -> str:
-        return self._code
-
 
 class ModelNotFound(GatewayError):
     status = 404
@@ -109,6 +111,12 @@ class RequestTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+
 class Overloaded(GatewayError):
     """Shed by flow control: a queue is full, or the request waited too long in it."""
 
@@ -117,12 +125,8 @@ class Overloaded(GatewayError):
     code = "overloaded"
 
     def __init__(self, message: str, *, why: str, retry_after_s: float) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
+        super().__init__(message, retry_after_s=retry_after_s, code=why)
         self.why = why
-
-    @property
-    def reason(self) -> str:
-        return self.why
 
 
 class UpstreamError(GatewayError):

@@ -343,11 +343,29 @@ def _by_order(head: tuple[float, float, Ticket]) -> tuple[float, float]:
 
 
 class DrainRate:
-    """Dispatches per second over the last `window_s`, for `Retry-After` (bounded memory)."""
+    """Dispatches per second over the last `window_s`, and the `Retry-After` each refused request
+    is told (bounded memory).
 
-    def __init__(self, window_s: float = 10.0, max_events: int = 4096) -> None:
+    Every refused request is given its own slot after the queue ahead of it has drained, one
+    dispatch interval after the previous refused one: when many are refused at once (a MinerU
+    client keeps 100 outstanding) they come back spread over the time the fleet needs for them,
+    not all in the same second to be refused again (MinerU's client retries only 3 times; the
+    same Retry-After for all lost 78 of 100 pages, benchmarks/results/flow_mineru_client.md).
+    The rate's span is at least `min_span_s`: the burst that fills idle workers at the onset of
+    an overload (a dozen dispatches in a millisecond) does not read as the fleet's pace.
+    """
+
+    MAX_S = 120.0  # MinerU's client caps the Retry-After it honours at 120 s
+    FLOOR_S = 1.0
+    UNKNOWN_RATE = 1.0  # dispatches/s assumed while nothing has been dispatched lately
+
+    def __init__(
+        self, window_s: float = 10.0, max_events: int = 4096, min_span_s: float = 5.0
+    ) -> None:
         self.window_s = window_s
+        self.min_span_s = min(min_span_s, window_s)
         self._events: deque[float] = deque(maxlen=max_events)
+        self._next_slot = 0.0  # when the next refused request is to come back (clock time)
 
     def record(self, now: float) -> None:
         self._events.append(now)
@@ -358,12 +376,14 @@ class DrainRate:
             events.popleft()
         if len(events) < 2:
             return 0.0
-        span = max(now - events[0], 1e-3)
-        return len(events) / span
+        return len(events) / max(now - events[0], self.min_span_s)
 
-    def retry_after(self, queued: int, now: float, *, floor_s: float = 1.0) -> float:
-        """Seconds until `queued` requests ahead would have drained at the recent rate, between
-        1 s and 120 s (MinerU's client caps what it honours at 120 s)."""
-        rate = self.rate(now)
-        estimate = queued / rate if rate > 0 else floor_s * 5
-        return min(120.0, max(floor_s, estimate))
+    def retry_after(self, queued: int, now: float) -> float:
+        """Seconds this refused request should wait: until the `queued` requests ahead have
+        drained at the recent rate, plus one dispatch interval per request refused before it
+        whose slot is still ahead; between 1 s and 120 s."""
+        rate = self.rate(now) or self.UNKNOWN_RATE
+        slot = max(now + queued / rate, self._next_slot)
+        slot = min(slot, now + self.MAX_S)
+        self._next_slot = slot + 1 / rate
+        return max(self.FLOOR_S, slot - now)

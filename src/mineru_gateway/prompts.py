@@ -4,18 +4,19 @@ Shared by the gateway (to estimate a request's cost for routing) and the simulat
 prefill time). Prompt tokens follow Qwen2-VL, MinerU2.5's architecture: text at ~4 characters a
 token plus the chat template's markers, and each image resized to multiples of 28 pixels (14-pixel
 patches merged 2x2) giving one visual token per 28x28 cell, so MinerU's 1036x1036 layout page is
-37x37 = 1369 tokens. Image sizes are read from the PNG or JPEG header inside the data URL; other
+37x37 = 1369 tokens. Image sizes are read from the header inside the data URL (images.py); other
 images are sized from their byte count.
 """
 
 from __future__ import annotations
 
-import binascii
 import enum
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any
+
+from mineru_gateway import images
+from mineru_gateway.images import data_url_payload
 
 PATCH_PIXELS = 28  # Qwen2-VL: 14-pixel patches, merged 2x2 into one token
 IMAGE_MIN_PIXELS = 4 * PATCH_PIXELS * PATCH_PIXELS
@@ -27,7 +28,6 @@ PIXELS_PER_BYTE = 4.0  # rough PNG/JPEG compression of scanned document pages
 CHARS_PER_TOKEN = 4
 MESSAGE_TOKENS = 5  # <|im_start|>, role, newline, <|im_end|>, newline
 GENERATION_PROMPT_TOKENS = 3  # <|im_start|>assistant newline
-HEADER_BASE64_CHARS = 64 * 1024  # enough to reach a JPEG's SOF marker after EXIF and tables
 
 
 class PromptKind(enum.Enum):
@@ -73,52 +73,13 @@ def image_tokens(url: str) -> int:
 
 def image_size(url: str) -> tuple[int, int]:
     """Width and height from a base64 data URL's header, else estimated from its size."""
-    comma = url.find(",")
-    if not url.startswith("data:") or comma < 0 or ";base64" not in url[:comma]:
+    payload = data_url_payload(url)
+    if payload is None:
         return DEFAULT_IMAGE_SIDE, DEFAULT_IMAGE_SIDE
-    payload_chars = len(url) - comma - 1
-    head_chars = min(payload_chars, HEADER_BASE64_CHARS) // 4 * 4
-    try:
-        head = binascii.a2b_base64(url[comma + 1 : comma + 1 + head_chars])
-    except binascii.Error:
-        head = b""
-    size = png_size(head) or jpeg_size(head)
-    return size if size is not None else size_from_bytes(payload_chars * 3 // 4)
-
-
-def png_size(data: bytes) -> tuple[int, int] | None:
-    if len(data) < 24 or data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
-        return None
-    width, height = struct.unpack(">II", data[16:24])
-    return _positive(width, height)
-
-
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_JPEG_STANDALONE = frozenset(range(0xD0, 0xDA)) | {0x01}
-
-
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    if data[:2] != b"\xff\xd8":
-        return None
-    at = 2
-    while at + 9 <= len(data):
-        if data[at] != 0xFF:
-            return None
-        marker = data[at + 1]
-        if marker == 0xFF:  # fill byte
-            at += 1
-        elif marker in _JPEG_SOF:
-            height, width = struct.unpack(">HH", data[at + 5 : at + 9])
-            return _positive(width, height)
-        elif marker in _JPEG_STANDALONE:
-            at += 2
-        else:
-            at += 2 + struct.unpack(">H", data[at + 2 : at + 4])[0]
-    return None
-
-
-def _positive(width: int, height: int) -> tuple[int, int] | None:
-    return (width, height) if width > 0 and height > 0 else None
+    size = images.image_size(payload)
+    if size is not None and size[0] > 0 and size[1] > 0:
+        return size
+    return size_from_bytes(len(payload) * 3 // 4)
 
 
 def size_from_bytes(num_bytes: int) -> tuple[int, int]:

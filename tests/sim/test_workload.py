@@ -44,21 +44,6 @@ def test_layout_page_is_1369_visual_tokens_plus_markers() -> None:
     assert prompts.image_tokens(data_url(png(1036, 1036))) == 1369 + 2
 
 
-@pytest.mark.parametrize(
-    ("image", "size"),
-    [(png(800, 60), (800, 60)), (jpeg(640, 480), (640, 480)), (png(0, 10), None)],
-)
-def test_image_size_from_header(image: bytes, size: tuple[int, int] | None) -> None:
-    assert (prompts.png_size(image) or prompts.jpeg_size(image)) == size
-
-
-def test_jpeg_without_a_frame_header_is_not_sized() -> None:
-    restart_markers = b"\xff\xd8" + b"\xff\xd0" * 8 + b"\xff\xd9"
-    assert prompts.jpeg_size(restart_markers) is None
-    assert prompts.jpeg_size(b"\xff\xd8" + b"\x00" * 16) is None
-    assert prompts.jpeg_size(png(1, 1)) is None
-
-
 def test_broken_base64_is_sized_from_its_length() -> None:
     assert prompts.image_size("data:image/png;base64,A===") == prompts.size_from_bytes(3)
 

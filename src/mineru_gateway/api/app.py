@@ -23,6 +23,7 @@ from starlette.routing import Route
 from mineru_gateway import __version__
 from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
+from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
@@ -97,8 +98,24 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         cost_model=cost_model,
         metrics=metrics,
         media=MediaPolicy(settings.media_urls, tuple(settings.media_allowlist)),
+        limits=request_limits(settings),
         priority_header=settings.priority_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
+    )
+
+
+def request_limits(settings: GatewaySettings) -> RequestLimits:
+    return RequestLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        max_json_depth=settings.max_json_depth,
+        max_messages=settings.max_messages,
+        max_content_parts=settings.max_content_parts,
+        max_images=settings.max_images,
+        max_image_pixels=settings.max_image_pixels,
+        max_image_side=settings.max_image_side,
+        max_image_aspect=settings.max_image_aspect,
+        max_tokens=settings.max_tokens_limit,
     )
 
 
@@ -180,11 +197,20 @@ class GatewayApp:
     FastAPI, which answers 405.
     """
 
-    def __init__(self, api: FastAPI, relays: Mapping[str, Relay]) -> None:
+    def __init__(
+        self, api: FastAPI, relays: Mapping[str, Relay], limits: RequestLimits | None = None
+    ) -> None:
         self.api = api
         self.relays = dict(relays)
+        self.limits = limits or RequestLimits()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                self.limits.check_headers(scope["headers"])
+            except GatewayError as error:
+                await _send_error(send, error)
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             relay = self.relays.get(scope["path"])
             if relay is not None:
@@ -231,7 +257,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
         app.router.routes.append(Route(path, relay, methods=["POST"]))
     _add_control_routes(app)
     _add_error_handlers(app)
-    return GatewayApp(app, relays)
+    return GatewayApp(app, relays, request_limits(settings))
 
 
 def _context(request: Request) -> GatewayContext:
@@ -319,6 +345,13 @@ def _describe_workers(context: GatewayContext) -> dict[str, Any]:
 
 def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+async def _send_error(send: Send, error: GatewayError) -> None:
+    """An error answered below FastAPI (before a request reaches it)."""
+    headers = [(b"content-type", b"application/json"), *error.headers()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error.body_bytes()})
 
 
 def _error_response(error: GatewayError) -> Response:

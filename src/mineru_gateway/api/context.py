@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
@@ -55,6 +56,7 @@ class GatewayContext:
     cost_model: CostModel
     metrics: GatewayMetrics
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     priority_header: bytes = b"x-priority"  # lower-cased, as ASGI gives header names
     metrics_registry: CollectorRegistry = field(
         default_factory=lambda: CollectorRegistry(auto_describe=False)

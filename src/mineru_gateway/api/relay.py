@@ -195,7 +195,7 @@ class Relay:
             body = await read_body(
                 receive, _content_length(headers), context.settings.max_body_bytes
             )
-            request = parse_request(self.endpoint, body, context.media)
+            request = parse_request(self.endpoint, body, context.media, context.limits)
             asked = request.priority
             if asked is None:
                 asked = header_priority(headers.get(context.priority_header))

@@ -13,12 +13,14 @@ from typing import Any, Literal
 
 import orjson
 
+from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import estimate_chat, estimate_completion
 
 DATA_ONLY = MediaPolicy()
+DEFAULT_LIMITS = RequestLimits()
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Endpoint = Literal["chat", "completions"]
 
@@ -61,13 +63,19 @@ def _too_large(limit: int) -> RequestTooLarge:
     )
 
 
-def parse_request(endpoint: Endpoint, body: bytes, media: MediaPolicy = DATA_ONLY) -> ParsedRequest:
+def parse_request(
+    endpoint: Endpoint,
+    body: bytes,
+    media: MediaPolicy = DATA_ONLY,
+    limits: RequestLimits = DEFAULT_LIMITS,
+) -> ParsedRequest:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
+    limits.check_payload(payload)
     if endpoint == "chat":
         messages = _check_messages(payload.get("messages"))
         media.check_messages(messages)

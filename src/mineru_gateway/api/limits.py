@@ -1,0 +1,190 @@
+"""Limits on what one request may carry, checked before anything reaches a worker (issue 14).
+
+A hostile or broken client must not make a worker (or the gateway) spend memory or time it was
+not meant to: thousands of headers, JSON nested a thousand deep, ten thousand messages, or a page
+image whose pixels are far more than its bytes suggest (a 1x100000 strip, a 50000x50000 PNG of a
+few kilobytes: a decompression bomb). Images are measured from their header only: a few bytes of
+the base64 payload are decoded, never the pixels. Pure: no I/O.
+
+    headers              431  too many, or too many bytes in all
+    JSON depth           400  json_too_deep
+    messages, parts      400  too_many_messages, too_many_content_parts
+    images per request   400  too_many_images
+    image pixels, shape  400  image_too_large (pixels, a side, or an aspect ratio past the
+                              200:1 Qwen2-VL's processor accepts), image_unreadable
+    max_tokens ceiling   400  max_tokens_too_large (optional)
+
+The defaults leave every real MinerU request (one page image of a few megapixels, one or two
+messages) far inside them; docs/request-limits.md says where each number comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mineru_gateway.errors import HeadersTooLarge, InvalidRequest
+from mineru_gateway.images import data_url_payload, image_size
+
+IMAGE_PARTS = ("image_url", "input_image")
+MEDIA_PARTS = (*IMAGE_PARTS, "video_url", "audio_url", "input_audio")
+PIL_MAX_IMAGE_PIXELS = 89_478_485  # PIL's own decompression-bomb warning threshold
+QWEN2_VL_MAX_ASPECT = 200.0  # Qwen2-VL's smart_resize refuses a longer-to-shorter ratio past it
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    max_json_depth: int = 64
+    max_messages: int = 1024
+    max_content_parts: int = 1024
+    max_images: int = 32
+    max_image_pixels: int = PIL_MAX_IMAGE_PIXELS
+    max_image_side: int = 32768
+    max_image_aspect: float = QWEN2_VL_MAX_ASPECT
+    max_tokens: int | None = None
+
+    def check_headers(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        if len(headers) > self.max_headers:
+            raise HeadersTooLarge(
+                f"the request has {len(headers)} headers; this gateway accepts at most "
+                f"{self.max_headers} (MINERU_GATEWAY_MAX_HEADERS)"
+            )
+        size = sum(len(name) + len(value) for name, value in headers)
+        if size > self.max_header_bytes:
+            raise HeadersTooLarge(
+                f"the request's headers hold {size} bytes; this gateway accepts at most "
+                f"{self.max_header_bytes} (MINERU_GATEWAY_MAX_HEADER_BYTES)"
+            )
+
+    def check_payload(self, payload: dict[str, Any]) -> None:
+        """The parsed body: depth first (the other checks walk it), then counts and images."""
+        _check_depth(payload, self.max_json_depth)
+        messages = payload.get("messages")
+        if isinstance(messages, list):
+            self._check_messages(messages)
+        if self.max_tokens is not None:
+            _check_max_tokens(payload, self.max_tokens)
+
+    def _check_messages(self, messages: list[Any]) -> None:
+        if len(messages) > self.max_messages:
+            raise InvalidRequest(
+                f"the request has {len(messages)} messages; this gateway accepts at most "
+                f"{self.max_messages}",
+                param="messages",
+                code="too_many_messages",
+            )
+        parts = list(_content_parts(messages))
+        if len(parts) > self.max_content_parts:
+            raise InvalidRequest(
+                f"the request has {len(parts)} content parts; this gateway accepts at most "
+                f"{self.max_content_parts}",
+                param="messages",
+                code="too_many_content_parts",
+            )
+        images = [(where, part) for where, part in parts if _kind(part) in IMAGE_PARTS]
+        media = sum(_kind(part) in MEDIA_PARTS for _, part in parts)
+        if media > self.max_images:
+            raise InvalidRequest(
+                f"the request carries {media} images or other media; this gateway accepts at "
+                f"most {self.max_images}",
+                param="messages",
+                code="too_many_images",
+            )
+        for where, part in images:
+            self._check_image(where, part)
+
+    def _check_image(self, where: str, part: dict[str, Any]) -> None:
+        kind = _kind(part)
+        url = _url_of(part.get(kind)) if kind is not None else None
+        if url is None or not url.startswith("data:"):
+            return  # a fetched URL is the media policy's business (api/media.py)
+        payload = data_url_payload(url)
+        if payload is None:
+            raise InvalidRequest(
+                f"{where}: a data: URL image must be base64 (data:image/png;base64,...)",
+                param=_param(where),
+                code="image_unreadable",
+            )
+        size = image_size(payload)
+        if size is not None:  # other formats: the worker's image library judges them
+            self._check_dimensions(where, *size)
+
+    def _check_dimensions(self, where: str, width: int, height: int) -> None:
+        longer, shorter = max(width, height), min(width, height)
+        problem = None
+        if shorter < 1:
+            problem = "has no pixels"
+        elif width * height > self.max_image_pixels:
+            problem = f"has {width * height} pixels (at most {self.max_image_pixels})"
+        elif longer > self.max_image_side:
+            problem = f"has a side of {longer} pixels (at most {self.max_image_side})"
+        elif longer / shorter > self.max_image_aspect:
+            ratio = longer / shorter
+            problem = f"has sides {ratio:.0f} to 1 (at most {self.max_image_aspect:g} to 1)"
+        if problem is not None:
+            raise InvalidRequest(
+                f"{where}: the image ({width}x{height}) {problem}",
+                param=_param(where),
+                code="image_too_large",
+            )
+
+
+def _check_max_tokens(payload: dict[str, Any], ceiling: int) -> None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > ceiling:
+            raise InvalidRequest(
+                f"`{name}` is {value}; this gateway allows at most {ceiling} "
+                "(MINERU_GATEWAY_MAX_TOKENS_LIMIT)",
+                param=name,
+                code="max_tokens_too_large",
+            )
+
+
+def _check_depth(payload: Any, limit: int) -> None:
+    """Iterative (a recursive walk is what a deep document would overflow)."""
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise InvalidRequest(
+                f"the request body nests deeper than {limit} levels",
+                code="json_too_deep",
+            )
+        children: Iterable[Any]
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def _content_parts(messages: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for number, part in enumerate(content):
+                if isinstance(part, dict):
+                    yield f"messages[{index}].content[{number}]", part
+
+
+def _kind(part: dict[str, Any]) -> str | None:
+    kind = part.get("type")
+    if isinstance(kind, str) and kind in part:
+        return kind
+    return next((name for name in MEDIA_PARTS if name in part), None)
+
+
+def _url_of(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else None
+
+
+def _param(where: str) -> str:
+    return where.replace("[", ".").replace("]", "")
