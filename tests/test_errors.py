@@ -8,6 +8,7 @@ import pytest
 from mineru_gateway import errors
 from mineru_gateway.errors import (
     AuthenticationFailed,
+    Conflict,
     GatewayError,
     HeadersTooLarge,
     InvalidRequest,
@@ -17,6 +18,8 @@ from mineru_gateway.errors import (
     PermissionDenied,
     RequestTooLarge,
     ShuttingDown,
+    UnknownPath,
+    UnknownWorker,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
@@ -29,6 +32,9 @@ TREE = [
     (AuthenticationFailed, GatewayError, 401, "authentication_error", "invalid_api_key"),
     (ModelNotFound, GatewayError, 404, "invalid_request_error", "model_not_found"),
     (PermissionDenied, GatewayError, 403, "permission_error", "admin_key_required"),
+    (UnknownWorker, GatewayError, 404, "invalid_request_error", "unknown_worker"),
+    (UnknownPath, GatewayError, 404, "invalid_request_error", "not_found"),
+    (Conflict, GatewayError, 409, "invalid_request_error", "conflict"),
     (RequestTooLarge, GatewayError, 413, "invalid_request_error", "request_too_large"),
     (
         HeadersTooLarge,

@@ -32,24 +32,26 @@ How mineru-vl-utils 2.0.7 behaves (read from its source, seen in the runs):
 """
 
 WHY_NOTES = """\
-Why the pages are lost (from the gateway's code, `DrainRate` in src/mineru_gateway/flow.py, and
-the waits above):
+Why pages were lost before, and what changed (`DrainRate` in src/mineru_gateway/flow.py; the
+runs before the change: `flow_mineru_client_before.md`, 78 of 100 pages lost at MAX_QUEUED=8,
+all 100 in windows):
 
-- The gateway's `Retry-After` is the time *its own queue* takes to drain (queued / dispatch rate
-  over the last 10 s): with 8 queued and ~2.2 dispatches a second, ~4 s. It does not count the
-  requests it has just turned away. One MinerU client keeps 100 requests outstanding, so ~88 of
-  them are waiting somewhere: they all come back after about the same `Retry-After` (whole
-  seconds, no jitter when the header is there), 8 fit, the rest get 429 again. The 4 attempts of a
-  request span ~6-10 s when the backlog needs ~40 s (88 / 2.2 per s) and the batch ~90 s.
-- At the start of an overload the dispatch rate is inflated by the burst that filled the empty
-  workers (12 dispatches in a millisecond): `Retry-After` is 1 s, then 2 s, and only reaches the
-  steady ~3-4 s after the 10 s window. MinerU's document mode loses its window in ~5 s.
-- A larger queue makes `Retry-After` longer (it grows with the queue) and loses fewer pages (13
-  at 32), but pages are only safe when the queue holds everything the client has outstanding
-  beyond what the workers run: `max_queued` (or `tenant_max_queued`) >= client concurrency -
-  workers' slots (96 here), or the client's `max_concurrency` <= workers' slots + queue limit
-  (16 <= 12 + 8 here). Then nothing is shed and throughput is unchanged.
-- Ten retries instead of three do not fix it (40 pages lost): the waits stay ~3-4 s each.
+- Before, `Retry-After` was the time the gateway's own queue takes to drain (queued / dispatch
+  rate): with 8 queued, ~4 s, the same for every refused request. One MinerU client keeps 100
+  requests outstanding, so ~88 came back after about the same wait, 8 fit, the rest got 429
+  again; 4 attempts spanned ~6-10 s when the backlog needed ~40 s. At the onset the dispatch
+  rate was inflated by the burst that filled the empty workers (12 dispatches in a
+  millisecond), so the first waits were 1-2 s.
+- Now each refused request gets its own slot: after the queue ahead has drained, one completion
+  interval after the previous refused request (a virtual queue of the refused demand, capped at
+  120 s, the most MinerU honours). The pace is completions per second over 10 s (at least a 5 s
+  span), not dispatches, so the onset burst does not count; before the first completions a
+  pace of 1 per second is assumed. Refused requests come back spread over the time the fleet
+  needs for them, and find room.
+- What it costs: while refused requests sleep, the queue can run empty and workers idle for a
+  moment (the slots are an estimate), so a batch through a small queue takes longer than
+  through a large one (wall time in the table). Shedding is for floods; for MinerU clients a
+  queue limit above their outstanding requests (96 here) sheds nothing and loses nothing.
 """
 
 SIM_NOTES = """\

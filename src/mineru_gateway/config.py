@@ -191,6 +191,16 @@ class GatewaySettings(BaseSettings):
         gt=0,
         description="Optional ceiling on a request's max_tokens / max_completion_tokens; 400.",
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics on this port only (not on the client port), so tenants "
+        "cannot read it; unset: /metrics on the client port.",
+    )
+    metrics_host: str | None = Field(
+        None, description="Where the metrics listener binds; unset: the gateway's host."
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to a worker.")
     first_byte_timeout_s: float = Field(
         600.0,

@@ -7,6 +7,10 @@
     ├── AuthenticationFailed          401  authentication_error / invalid_api_key
     ├── PermissionDenied              403  permission_error / admin_key_required, admin_disabled
     ├── ModelNotFound                 404  invalid_request_error / model_not_found
+    ├── UnknownWorker                 404  invalid_request_error / unknown_worker
+    ├── UnknownPath                   404  invalid_request_error / not_found
+    ├── Conflict                      409  invalid_request_error / conflict, or why
+    │                                      (restart_in_progress, not_supervised, ...)
     ├── RequestTooLarge               413  invalid_request_error / request_too_large
     ├── HeadersTooLarge               431  invalid_request_error /
     │                                      request_header_fields_too_large
@@ -103,6 +107,26 @@ class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class UnknownWorker(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "unknown_worker"
+
+
+class UnknownPath(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Conflict(GatewayError):
+    """An admin act that cannot happen now (a rolling restart already running, say)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class RequestTooLarge(GatewayError):

@@ -343,16 +343,17 @@ def _by_order(head: tuple[float, float, Ticket]) -> tuple[float, float]:
 
 
 class DrainRate:
-    """Dispatches per second over the last `window_s`, and the `Retry-After` each refused request
-    is told (bounded memory).
+    """Requests finished per second over the last `window_s` (the pace at which room appears
+    on the fleet), and the `Retry-After` each refused request is told (bounded memory).
 
     Every refused request is given its own slot after the queue ahead of it has drained, one
-    dispatch interval after the previous refused one: when many are refused at once (a MinerU
+    completion interval after the previous refused one: when many are refused at once (a MinerU
     client keeps 100 outstanding) they come back spread over the time the fleet needs for them,
     not all in the same second to be refused again (MinerU's client retries only 3 times; the
     same Retry-After for all lost 78 of 100 pages, benchmarks/results/flow_mineru_client.md).
-    The rate's span is at least `min_span_s`: the burst that fills idle workers at the onset of
-    an overload (a dozen dispatches in a millisecond) does not read as the fleet's pace.
+    Completions, not dispatches, are counted: the burst that fills idle workers at the onset of
+    an overload (a dozen dispatches in a millisecond) says nothing of the fleet's pace, and the
+    rate's span is at least `min_span_s` for the same reason.
     """
 
     MAX_S = 120.0  # MinerU's client caps the Retry-After it honours at 120 s

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import httpx
 import pytest
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.entry.cli import main
 from tests.conftest import StartGateway, StartSim
 from tests.support.servers import serve
 from tests.support.workers import Script
@@ -144,3 +149,92 @@ def test_a_draining_gateway_admits_nothing_new(scripted: tuple[Script, str]) -> 
         assert httpx.get(gateway + "/ready").json()["error"]["code"] == "shutting_down"
         assert httpx.get(gateway + "/health").status_code == 200
     assert len(script.seen) == 1
+
+
+# -- draining, and what only `up` can do -------------------------------------------------------
+
+
+def sim_successes(worker: str) -> float:
+    text = httpx.get(worker + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total")
+    )
+
+
+def test_a_drained_worker_gets_nothing_new_until_it_is_undrained(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    first, second = start_sim(model_name="m"), start_sim(model_name="m")
+    gateway = start_gateway([first, second], admin_keys="admin-key", routing_policy="round_robin")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    drained = httpx.post(gateway + "/v1/workers/drain", json={"url": first}, headers=ADMIN)
+    assert drained.status_code == 200
+    states = {w["url"]: w["state"] for w in drained.json()["workers"]}
+    assert states == {first: "draining", second: "healthy"}
+    for _ in range(6):
+        assert httpx.post(gateway + CHAT, json=body).status_code == 200
+    assert (sim_successes(first), sim_successes(second)) == (0, 6)
+    undrained = httpx.post(gateway + "/v1/workers/undrain", json={"url": first}, headers=ADMIN)
+    assert {w["state"] for w in undrained.json()["workers"]} == {"healthy"}
+    for _ in range(6):
+        assert httpx.post(gateway + CHAT, json=body).status_code == 200
+    assert sim_successes(first) >= 1
+
+
+def test_draining_needs_an_admin_key_and_a_known_worker(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _, worker = scripted
+    gateway = start_gateway([worker], admin_keys="admin-key")
+    refused = httpx.post(gateway + "/v1/workers/drain", json={"url": worker})
+    assert refused.status_code == 403
+    unknown = httpx.post(gateway + "/v1/workers/drain", json={"url": "http::/x:1"}, headers=ADMIN)
+    assert unknown.status_code == 400  # not a URL
+    unknown = httpx.post(gateway + "/v1/workers/drain", json={"url": "http://x:1"}, headers=ADMIN)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "unknown_worker"
+
+
+def test_a_rolling_restart_needs_a_gateway_that_runs_its_workers(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _, worker = scripted
+    gateway = start_gateway([worker], admin_keys="admin-key")
+    for method in ("POST", "GET"):
+        response = httpx.request(method, gateway + "/v1/workers/restart", json={}, headers=ADMIN)
+        assert response.status_code == 409
+        error = response.json()["error"]
+        assert error["code"] == "not_supervised"
+        assert "/v1/workers/drain" in error["message"]
+
+
+def workers_command(*args: str) -> tuple[int, str]:
+    """`mineru-gateway workers ...` as an operator runs it: its exit status and its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mineru_gateway", "workers", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done.returncode, done.stdout
+
+
+def test_the_workers_command_drains_lists_and_undrains(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    worker = start_sim(model_name="m")
+    gateway = start_gateway([worker], api_keys="client", admin_keys="admin-key")
+    base = ["--gateway", gateway, "--admin-key", "admin-key"]
+    status, out = workers_command(*base, "drain", worker)
+    assert (status, json.loads(out)) == (0, {"url": worker, "in_flight": 0, "idle": True})
+    status, out = workers_command(*base, "list")  # an admin key reads what a client key may
+    assert (status, [w["state"] for w in json.loads(out)["workers"]]) == (0, ["draining"])
+    status, out = workers_command(*base, "undrain", worker)
+    assert (status, json.loads(out)["workers"][0]["state"]) == (0, "healthy")
+    status, out = workers_command(*base, "restart")  # `serve` runs no workers
+    assert (status, json.loads(out)["error"]["code"]) == (1, "not_supervised")
+    assert main(["workers", "--gateway", gateway, "drain", worker]) == 1  # no admin key
+    assert main(["workers", "--gateway", "http://127.0.0.1:9", "list"]) == 2  # nobody there

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -25,17 +26,21 @@ from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
+from mineru_gateway.api.metrics_listener import MetricsListener
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import (
+    Conflict,
     GatewayError,
     InvalidRequest,
     NoHealthyWorker,
     PermissionDenied,
     ShuttingDown,
+    UnknownPath,
+    UnknownWorker,
 )
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
@@ -49,12 +54,25 @@ from mineru_gateway.telemetry import (
 from mineru_gateway.workers.discovery import DnsDiscovery
 from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
+from mineru_gateway.workers.rolling import Restart, RollingRestart
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
 log = structlog.get_logger("mineru_gateway.app")
 
 
-def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> GatewayContext:
+@dataclass(frozen=True, slots=True)
+class WorkerControl:
+    """What `up` lends the gateway to restart the workers it runs (rolling restarts)."""
+
+    restart: Restart
+    ready_timeout_s: float
+
+
+def build_context(
+    settings: GatewaySettings,
+    lifecycle: Lifecycle | None = None,
+    control: WorkerControl | None = None,
+) -> GatewayContext:
     client = UpstreamClient(
         Timeouts(
             connect_s=settings.connect_timeout_s,
@@ -89,10 +107,20 @@ def build_context(settings: GatewaySettings, lifecycle: Lifecycle | None = None)
         decode_weight=settings.decode_weight,
         default_decode_tokens=settings.default_decode_tokens,
     )
+    rolling = None
+    if control is not None:
+        rolling = RollingRestart(
+            registry,
+            control.restart,
+            drain_timeout_s=settings.drain_timeout_s,
+            ready_timeout_s=control.ready_timeout_s,
+            probe_interval_s=min(settings.health_interval_s, 0.5),
+        )
     return GatewayContext(
         settings=settings,
         client=client,
         registry=registry,
+        rolling=rolling,
         dispatcher=build_dispatcher(settings, registry, load_model),
         tenants=TenantDirectory(settings),
         cost_model=cost_model,
@@ -219,18 +247,30 @@ class GatewayApp:
         await self.api(scope, receive, send)
 
 
-def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> GatewayApp:
-    """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests."""
+def create_app(
+    settings: GatewaySettings,
+    lifecycle: Lifecycle | None = None,
+    control: WorkerControl | None = None,
+) -> GatewayApp:
+    """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests.
+    With `control` (from `up`) it can restart its workers one at a time."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        context = build_context(settings, lifecycle)
+        context = build_context(settings, lifecycle, control)
+        if context.rolling is not None:
+            context.lifecycle.on_rolling_restart(_start_rolling(context.rolling))
         telemetry = build_telemetry(settings)
         register_metrics(context, telemetry)
         close_queue_before_deadline(context)
         discovery = DnsDiscovery(
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
+        listener = None
+        if settings.metrics_port is not None:
+            host = settings.metrics_host or settings.host
+            listener = MetricsListener(context.metrics_registry, host, settings.metrics_port)
+            await listener.start()
         await context.client.start()
         await discovery.start()
         await context.registry.start()
@@ -245,6 +285,10 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
         try:
             yield context.lifespan_state()
         finally:
+            if listener is not None:
+                await listener.stop()
+            if context.rolling is not None:
+                await context.rolling.stop()
             if telemetry is not None:
                 await telemetry.stop()
             await discovery.stop()
@@ -258,6 +302,16 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
     _add_control_routes(app)
     _add_error_handlers(app)
     return GatewayApp(app, relays, request_limits(settings))
+
+
+def _start_rolling(rolling: RollingRestart) -> Callable[[], None]:
+    def start() -> None:
+        if rolling.running:
+            log.info("rolling_restart_already_running")
+        else:
+            rolling.start()
+
+    return start
 
 
 def _context(request: Request) -> GatewayContext:
@@ -293,10 +347,16 @@ def _add_control_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
-        registry = _context(request).metrics_registry
+        context = _context(request)
+        if context.settings.metrics_port is not None:
+            raise UnknownPath(
+                "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
+                "not on this port"
+            )
+        registry = context.metrics_registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/workers", dependencies=[Depends(_authorized)])
+    @app.get("/v1/workers", dependencies=[Depends(_client_or_admin)])
     async def workers(request: Request) -> Response:
         """Each worker's URL, state, load (own and reported) and last error."""
         return _json(_describe_workers(_context(request)))
@@ -314,9 +374,56 @@ def _add_control_routes(app: FastAPI) -> None:
         _context(request).registry.remove(change.url)
         return _json(_describe_workers(_context(request)))
 
+    @app.post("/v1/workers/drain", dependencies=[Depends(_admin)])
+    async def drain_worker(request: Request, change: WorkerChange) -> Response:
+        """No new requests to a worker (queued ones go to the others); those on it finish.
+        Its `in_flight` in the answer (and in GET /v1/workers) says when it is idle."""
+        _known(_context(request), change.url).drain(change.url)
+        return _json(_describe_workers(_context(request)))
+
+    @app.post("/v1/workers/undrain", dependencies=[Depends(_admin)])
+    async def undrain_worker(request: Request, change: WorkerChange) -> Response:
+        """A drained worker takes requests again (once its health check passes)."""
+        _known(_context(request), change.url).undrain(change.url)
+        return _json(_describe_workers(_context(request)))
+
+    @app.post("/v1/workers/restart", dependencies=[Depends(_admin)])
+    async def restart_workers(request: Request, change: RestartRequest) -> Response:
+        """A rolling restart of the workers `up` runs (all, or `urls`), one at a time: 202, then
+        GET /v1/workers/restart says how it goes."""
+        rolling = _rolling(_context(request))
+        rolling.start(change.urls)
+        return _json(rolling.describe(), 202)
+
+    @app.get("/v1/workers/restart", dependencies=[Depends(_admin)])
+    async def restart_status(request: Request) -> Response:
+        """The current or last rolling restart: its state and each worker's phase."""
+        return _json(_rolling(_context(request)).describe())
+
 
 class WorkerChange(BaseModel):
     url: str = Field(pattern=r"^https?://[^/]+$", description="A worker's base URL.")
+
+
+class RestartRequest(BaseModel):
+    urls: list[str] | None = Field(None, description="Workers to restart; default: all.")
+
+
+def _known(context: GatewayContext, url: str) -> WorkerRegistry:
+    if url not in {worker.url for worker in context.registry.workers}:
+        raise UnknownWorker(f"no worker {url} in this gateway", param="url")
+    return context.registry
+
+
+def _rolling(context: GatewayContext) -> RollingRestart:
+    if context.rolling is None:
+        raise Conflict(
+            "this gateway does not run its workers (`serve`): restart them one at a time with "
+            "POST /v1/workers/drain, your own restart, POST /v1/workers/undrain; `up` does it "
+            "all with POST /v1/workers/restart or SIGHUP",
+            code="not_supervised",
+        )
+    return context.rolling
 
 
 def _admin(request: Request) -> None:
@@ -328,13 +435,24 @@ def _admin(request: Request) -> None:
             "changing the gateway's workers is off: set MINERU_GATEWAY_ADMIN_KEYS to enable it",
             code="admin_disabled",
         )
-    header = request.headers.get("authorization", "").encode()
-    if not bearer_match(header, ((key.encode(), True) for key in keys)):
+    if not _is_admin(request):
         raise PermissionDenied("this needs an admin key (Authorization: Bearer <admin key>)")
+
+
+def _is_admin(request: Request) -> bool:
+    keys = _context(request).settings.all_admin_keys
+    header = request.headers.get("authorization", "").encode()
+    return bearer_match(header, ((key.encode(), True) for key in keys)) is True
 
 
 def _authorized(request: Request) -> None:
     _context(request).tenants.authenticate(request.headers.get("authorization", "").encode())
+
+
+def _client_or_admin(request: Request) -> None:
+    """What a client may read an operator may read too (`mineru-gateway workers list`)."""
+    if not _is_admin(request):
+        _authorized(request)
 
 
 def _describe_workers(context: GatewayContext) -> dict[str, Any]:

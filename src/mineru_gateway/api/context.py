@@ -19,6 +19,7 @@ from mineru_gateway.cost import CostModel
 from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.rolling import RollingRestart
 from mineru_gateway.workers.upstream import UpstreamClient
 
 STATE_KEY = "gateway"
@@ -30,13 +31,22 @@ class Lifecycle:
 
     `on_drain` callbacks run once, in the signal handler (on the event loop's thread): the
     dispatcher uses it to give queued requests their 503 before the drain deadline.
+    `request_rolling_restart()` (SIGHUP to `up`) restarts every worker, one at a time.
     """
 
     draining: bool = False
     _on_drain: list[Callable[[], None]] = field(default_factory=list)
+    _on_restart: list[Callable[[], None]] = field(default_factory=list)
 
     def on_drain(self, callback: Callable[[], None]) -> None:
         self._on_drain.append(callback)
+
+    def on_rolling_restart(self, callback: Callable[[], None]) -> None:
+        self._on_restart.append(callback)
+
+    def request_rolling_restart(self) -> None:
+        for callback in self._on_restart:
+            callback()
 
     def start_draining(self) -> None:
         if self.draining:
@@ -62,6 +72,7 @@ class GatewayContext:
         default_factory=lambda: CollectorRegistry(auto_describe=False)
     )
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    rolling: RollingRestart | None = None  # when the gateway runs its workers (`up`)
 
     def lifespan_state(self) -> dict[str, Any]:
         """What the lifespan yields: ASGI copies it into every request's scope["state"]."""

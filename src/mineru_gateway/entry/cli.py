@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,8 @@ from mineru_gateway.api.app import create_app
 from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.entry import server
+from mineru_gateway.entry.admin import __doc__ as ADMIN_DESCRIPTION
+from mineru_gateway.entry.admin import add_admin_arguments, run_admin
 from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
 from mineru_gateway.entry.logs import configure_logging
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
@@ -86,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(worker)
     worker.set_defaults(handler=run_worker)
 
+    admin = commands.add_parser(
+        "workers",
+        help="list, drain, undrain or rolling-restart the workers of a running gateway (admin)",
+        description=ADMIN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_admin_arguments(admin)
+    admin.set_defaults(handler=run_admin)
+
     exporter = commands.add_parser(
         "npu-exporter",
         help="export npu-smi readings on /metrics (for hosts where the gateway does not run)",
@@ -119,8 +131,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "json")
-    config = sim_config_from_args(args)
-    server.run(create_sim_app(config), args.host, args.port, args.log_level)
+    app = create_sim_app(sim_config_from_args(args))
+    tasks: set[asyncio.Task[None]] = set()
+
+    def shut_down() -> None:  # vLLM aborts (or drains) its requests on SIGTERM
+        task = asyncio.get_running_loop().create_task(app.state.sim.shut_down())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    server.run(app, args.host, args.port, args.log_level, on_signal=shut_down)
     return 0
 
 

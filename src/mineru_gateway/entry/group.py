@@ -5,6 +5,8 @@
   worker to routing only after a good probe, and drops it again when it fails.
 - The supervisor restarts a worker that exits or stops answering `/health`, with backoff; the
   gateway serves on the others meanwhile and takes the worker back once its probe passes.
+- SIGHUP (or `POST /v1/workers/restart`, `mineru-gateway workers restart`): a rolling restart,
+  one worker at a time: drained, restarted, healthy again, then the next (workers/rolling.py).
 - SIGTERM/SIGINT: the gateway stops accepting connections and lets in-flight requests finish for
   up to `drain_timeout_s` (uvicorn's graceful shutdown; a second signal skips the wait), then the
   workers are stopped (TERM, then KILL, whole process groups) and the process exits 0.
@@ -26,7 +28,7 @@ from typing import Literal
 
 import structlog
 
-from mineru_gateway.api.app import create_app
+from mineru_gateway.api.app import WorkerControl, create_app
 from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings, LauncherSettings
 from mineru_gateway.entry import server
@@ -218,8 +220,9 @@ async def serve_group(
         log_to_terminal=options.log_to_terminal,
     )
     lifecycle = Lifecycle()
+    control = WorkerControl(supervisor.restart, options.policy.start_timeout_s)
     gateway = server.make_server(
-        create_app(settings, lifecycle),
+        create_app(settings, lifecycle, control),
         settings.host,
         settings.port,
         settings.log_level,
@@ -244,9 +247,12 @@ async def serve_group(
     started = time.monotonic()
     await supervisor.start()
     announce = asyncio.create_task(_announce_ready(supervisor, gateway_url, started))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lifecycle.request_rolling_restart)
     try:
         await serving
     finally:
+        loop.remove_signal_handler(signal.SIGHUP)
         announce.cancel()
         with _signals_deferred():
             await supervisor.stop()

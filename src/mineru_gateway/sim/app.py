@@ -54,6 +54,15 @@ class Simulator:
     async def stop(self) -> None:
         await self.engine.stop()
 
+    async def shut_down(self, poll_s: float = 0.05) -> None:
+        """What vLLM does on SIGTERM: in-flight requests may finish for `shutdown_timeout`
+        seconds (its drain mode), then whatever is left is aborted (with 0, at once: its
+        default abort mode). docs/vllm.md."""
+        deadline = time.monotonic() + self.config.shutdown_timeout * self.engine.time_scale
+        while self.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(poll_s)
+        await self.engine.stop()
+
     def state(self) -> dict[str, Any]:
         stats = self.scheduler.stats
         return {

@@ -63,6 +63,7 @@ class SimConfig:
     enable_server_load_tracking: bool = False
     engine_label: str = "0"
     vllm_version: str = "0.32.0"
+    shutdown_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -106,6 +107,8 @@ _HELP = {
     "enable_server_load_tracking": "Serve GET /load like vLLM's flag of the same name.",
     "engine_label": "The `engine` label of the metrics.",
     "vllm_version": "Version reported by /version and in system_fingerprint.",
+    "shutdown_timeout": "On SIGTERM, seconds in-flight requests may still finish before they "
+    "are aborted; 0 aborts them at once (vLLM's --shutdown-timeout, default 0).",
 }
 
 

@@ -54,6 +54,7 @@ class Grant:
     def release(self) -> None:
         if not self.lease.released:
             self._dispatcher.queue.done(self.ticket)
+            self._dispatcher.drain_rate.record(self._dispatcher.now())
             self.lease.release()  # the registry tells the dispatcher: pump
 
 
@@ -86,6 +87,9 @@ class Dispatcher:
         self._closed: GatewayError | None = None
         self._served: frozenset[str] = frozenset()
         registry.on_change(self.pump)
+
+    def now(self) -> float:
+        return self._clock()
 
     # -- the relay's side -----------------------------------------------------------------
     async def acquire(self, admission: Admission) -> Grant:
@@ -215,7 +219,6 @@ class Dispatcher:
     ) -> Grant:
         if unqueued:
             self.queue.start_unqueued(ticket.tenant)
-        self.drain_rate.record(self._clock())
         return Grant(self, ticket, self.registry.acquire(worker, admission.cost), queued_s)
 
     # -- ending waits that will not be served -------------------------------------------

@@ -96,6 +96,11 @@ class Worker:
     scrape: Scrape | None = None
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
+    draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
 
     def reported(self, now: float) -> ReportedLoad | None:
         if self.scrape is None:
@@ -108,7 +113,7 @@ class Worker:
         reported = self.reported(now)
         return {
             "url": self.url,
-            "state": "healthy" if self.healthy else "unhealthy",
+            "state": "draining" if self.draining else "healthy" if self.healthy else "unhealthy",
             "in_flight": self.in_flight,
             "estimated_cost": round(self.own_cost, 1),
             "models": sorted(self.models),
@@ -214,6 +219,31 @@ class WorkerRegistry:
     def worker(self, url: str) -> Worker:
         return self._workers[url]
 
+    def drain(self, url: str) -> Worker:
+        """No new requests go to `url` (queued ones go elsewhere); those on it finish."""
+        worker = self._workers[url]
+        worker.draining = True
+        log.info("worker_draining", worker=url, in_flight=worker.in_flight)
+        self._changed()
+        return worker
+
+    def undrain(self, url: str) -> Worker:
+        """`url` takes requests again (once healthy)."""
+        worker = self._workers[url]
+        worker.draining = False
+        log.info("worker_undrained", worker=url, healthy=worker.healthy)
+        self._changed()
+        return worker
+
+    async def wait_idle(self, worker: Worker, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """True once nothing of this gateway's is in flight on `worker`, False at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while worker.in_flight > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
     # -- routing --------------------------------------------------------------------------
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
@@ -221,7 +251,7 @@ class WorkerRegistry:
         return [
             WorkerView(
                 name=worker.url,
-                healthy=worker.healthy,
+                healthy=worker.routable,
                 in_flight=worker.in_flight,
                 models=frozenset(worker.models),
                 own_cost=worker.own_cost,

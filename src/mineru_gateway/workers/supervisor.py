@@ -97,6 +97,7 @@ class ManagedWorker:
     last_reason: str | None = None  # why it was last restarted
     last_delay_s: float | None = None  # the backoff before that restart
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set while healthy
+    restart_requested: asyncio.Event = field(default_factory=asyncio.Event)
     output_task: asyncio.Task[None] | None = None
 
     @property
@@ -164,6 +165,23 @@ class Supervisor:
         while not all(worker.ready.is_set() for worker in self.workers):
             await asyncio.gather(*(worker.ready.wait() for worker in self.workers))
 
+    def worker_at(self, url: str) -> ManagedWorker:
+        for worker in self.workers:
+            if worker.spec.url == url:
+                return worker
+        raise KeyError(url)
+
+    async def restart(self, url: str, poll_s: float = 0.05) -> None:
+        """Stops the worker at `url` (TERM, then KILL) and starts it again at once, without
+        backoff or counting a failure; returns once the new process answers `/health`. The
+        caller drains it first (workers.rolling)."""
+        worker = self.worker_at(url)
+        starts = worker.starts
+        worker.restart_requested.set()
+        while worker.starts <= starts:  # noqa: ASYNC110 - the supervise task respawns it
+            await asyncio.sleep(poll_s)
+        await worker.ready.wait()
+
     async def stop(self) -> None:
         """Stops supervising, then stops every worker's whole process group."""
         self._stop.set()
@@ -189,6 +207,12 @@ class Supervisor:
                 if self._stop.is_set():
                     return
                 await self._terminate(worker)
+                if worker.restart_requested.is_set():
+                    worker.restart_requested.clear()
+                    self._set_unready(worker, "starting")
+                    worker.last_reason, worker.last_delay_s = reason, 0.0
+                    log.info("worker_restarting", worker=worker.name, reason=reason)
+                    continue
             self._set_unready(worker, "backoff")
             delay = self._next_delay(worker)
             worker.last_reason, worker.last_delay_s = reason, delay
@@ -199,8 +223,20 @@ class Supervisor:
                 restart_in_s=delay,
                 restarts=worker.restarts,
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)
+            await self._back_off(worker, delay)
+
+    async def _back_off(self, worker: ManagedWorker, delay: float) -> None:
+        """Waits `delay` before the next start; a stop, or a requested restart, cuts it short."""
+        waits = [
+            asyncio.ensure_future(self._stop.wait()),
+            asyncio.ensure_future(worker.restart_requested.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        worker.restart_requested.clear()  # the start that follows is the one asked for
 
     def _next_delay(self, worker: ManagedWorker) -> float:
         stable = self.policy.backoff_reset_s
@@ -267,6 +303,7 @@ class Supervisor:
         process = worker.process
         exited = asyncio.ensure_future(process.wait())
         stopping = asyncio.ensure_future(self._stop.wait())
+        requested = asyncio.ensure_future(worker.restart_requested.wait())
         deadline = worker.started_at + self.policy.start_timeout_s
         misses = 0
         try:
@@ -274,10 +311,14 @@ class Supervisor:
                 healthy = worker.state in ("healthy", "unhealthy")
                 interval = self.policy.health_interval_s if healthy else self.policy.start_poll_s
                 await asyncio.wait(
-                    (exited, stopping), timeout=interval, return_when=asyncio.FIRST_COMPLETED
+                    (exited, stopping, requested),
+                    timeout=interval,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if stopping.done():
                     return "stopping"
+                if requested.done():
+                    return "restart requested"
                 if exited.done():
                     return f"exited with status {process.returncode}"
                 problem = await self._probe(worker)
@@ -300,6 +341,7 @@ class Supervisor:
         finally:
             exited.cancel()
             stopping.cancel()
+            requested.cancel()
 
     async def _probe(self, worker: ManagedWorker) -> str | None:
         """None when `/health` answers 200, else what went wrong."""
