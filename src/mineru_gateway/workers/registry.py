@@ -221,17 +221,21 @@ class WorkerRegistry:
 
     def drain(self, url: str) -> Worker:
         """No new requests go to `url` (queued ones go elsewhere); those on it finish."""
-        worker = self._workers[url]
-        worker.draining = True
-        log.info("worker_draining", worker=url, in_flight=worker.in_flight)
-        self._changed()
-        return worker
+        return self._set_draining(url, True)
 
     def undrain(self, url: str) -> Worker:
         """`url` takes requests again (once healthy)."""
+        return self._set_draining(url, False)
+
+    def _set_draining(self, url: str, draining: bool) -> Worker:
         worker = self._workers[url]
-        worker.draining = False
-        log.info("worker_undrained", worker=url, healthy=worker.healthy)
+        worker.draining = draining
+        log.info(
+            "worker_draining" if draining else "worker_undrained",
+            worker=url,
+            in_flight=worker.in_flight,
+            healthy=worker.healthy,
+        )
         self._changed()
         return worker
 
