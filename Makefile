@@ -9,7 +9,8 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
-	bench-routing bench-routing-vllm bench-flow bench-flow-vllm mineru-vl-utils bench-mineru-client vllm-router clean
+	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
+	bench-mineru-client vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -104,6 +105,11 @@ bench-routing-vllm: install small-model
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 		$(BIN)/python -m benchmarks.routing --engine vllm --vllm-model $(SMALL_MODEL) \
 		--vllm-capacity 20 --out benchmarks/results/routing_vllm.json
+
+## Two gateway replicas, each sent half the traffic, against one gateway sent all of it, on the
+## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).
+bench-replicas: install
+	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

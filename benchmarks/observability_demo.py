@@ -41,9 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 
-# The compose targets in deploy/prometheus/prometheus.yml, in order: replaced by local ones.
+# The compose targets in deploy/prometheus/prometheus.yml: replaced by local ones. The workers
+# come from a file that `mineru-gateway compose` writes (one per NPU): replaced by a static list.
 GATEWAY_TARGET = "gateway:30000"
-WORKER_TARGETS = ("worker-0:30001", "worker-1:30002", "worker-2:30003", "worker-3:30004")
+WORKER_TARGETS_FILE = "    file_sd_configs:\n      - files:\n          - targets/workers.yml\n"
 NPU_EXPORTER_TARGET = "npu-exporter:8083"
 _INTERVAL = re.compile(r"^(\s*)(scrape_interval|scrape_timeout|evaluation_interval): \S+$", re.M)
 _RULE_FILE = re.compile(r"^(\s*- )(rules/\S+)$", re.M)
@@ -69,22 +70,19 @@ def local_prometheus_config(
     rule evaluation, and absolute rule file paths (so the real rule files are loaded).
 
     Raises `ValueError` if the file no longer has the targets this expects (so that a changed
-    prometheus.yml fails tests loudly rather than scraping nothing). `workers` may be fewer than
-    the file's four; the rest are dropped. Without `npu_exporter` its target is left as it is.
+    prometheus.yml fails tests loudly rather than scraping nothing). The workers' target file
+    becomes a static list of `workers`. Without `npu_exporter` its target is left as it is.
     """
-    if len(workers) > len(WORKER_TARGETS):
-        raise ValueError(f"at most {len(WORKER_TARGETS)} workers")
     interval = f"{interval_s:g}s"
     text, count = _INTERVAL.subn(lambda m: f"{m.group(1)}{m.group(2)}: {interval}", text)
     _expect(count, 3, "scrape_interval, scrape_timeout and evaluation_interval")
     text, count = _RULE_FILE.subn(lambda m: f"{m.group(1)}{rules_dir / m.group(2)}", text)
     _expect(count, 2, "rule files under rules/")
-    replacements = [(f'"{GATEWAY_TARGET}"', f'"{gateway}"')]
-    for index, target in enumerate(WORKER_TARGETS):
-        line = f"          - {target}\n"
-        replacements.append(
-            (line, line.replace(target, workers[index]) if index < len(workers) else "")
-        )
+    static = "".join(f"          - {worker}\n" for worker in workers)
+    replacements = [
+        (f'"{GATEWAY_TARGET}"', f'"{gateway}"'),
+        (WORKER_TARGETS_FILE, f"    static_configs:\n      - targets:\n{static}"),
+    ]
     if npu_exporter is not None:
         replacements.append((f'"{NPU_EXPORTER_TARGET}"', f'"{npu_exporter}"'))
     for old, new in replacements:

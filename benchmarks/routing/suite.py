@@ -352,14 +352,18 @@ class Bench:
         stage = Stage(session, scenario, workers, router)
         try:
             await router.ready()
-            while (fraction := self._next(done)) is not None:
-                result = await self.run_guarded(stage, fraction)
-                done[fraction] = result
-                self.results.append(result)
-                self.on_result()
-                print(report.format_run(result, self.plan.slo_ms), flush=True)
+            await self.run_rates(stage, done)
         finally:
             router.stop()
+
+    async def run_rates(self, stage: Stage, done: dict[float, RunResult]) -> None:
+        """Every rate still to run for one (scenario, router) pair, on a ready `stage`."""
+        while (fraction := self._next(done)) is not None:
+            result = await self.run_guarded(stage, fraction)
+            done[fraction] = result
+            self.results.append(result)
+            self.on_result()
+            print(report.format_run(result, self.plan.slo_ms), flush=True)
 
 
 def _floats(text: str) -> tuple[float, ...]:

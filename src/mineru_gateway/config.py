@@ -331,8 +331,14 @@ class GatewaySettings(BaseSettings):
         "x-priority", description="Header a client may set its priority in (lower first)."
     )
     npu_smi: str = Field(
-        "off",
-        description="NPU telemetry in /metrics: off, auto (npu-smi on PATH), or npu-smi's path.",
+        "auto",
+        description="NPU telemetry in /metrics: auto (npu-smi where installed, none without "
+        "it), off, or npu-smi's path.",
+    )
+    npu_exporter_names: bool = Field(
+        True,
+        description="Also export the NPU readings under Ascend npu-exporter's names "
+        "(npu_chip_info_*); false where Ascend's exporter runs too, or each chip counts twice.",
     )
     npu_smi_interval_s: float = Field(5.0, gt=0, description="Between two npu-smi readings.")
     npu_devices: str = Field(

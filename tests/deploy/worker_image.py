@@ -31,7 +31,8 @@ def use_worker_image_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
         if name.startswith("MINERU_GATEWAY_"):
             monkeypatch.delenv(name)
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        if name.startswith("MINERU_GATEWAY_"):  # not PATH, which the image extends
+            monkeypatch.setenv(name, value)
     return env
 
 

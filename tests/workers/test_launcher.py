@@ -104,7 +104,7 @@ def test_bad_devices_and_ports_are_refused(device: int, options: VllmOptions, me
         (("--max_num_seqs", "64"), "--max_num_seqs", "64", 1),
         (("--gpu-memory-utilization", "0.85"), "--gpu-memory-utilization", "0.85", 1),
         (("--dtype", "float16"), "--dtype", "float16", 1),
-        (("--trust-remote-code",), "--max-num-seqs", "128", 1),  # defaults kept
+        (("--trust-remote-code",), "--max-num-seqs", "256", 1),  # defaults kept
     ],
 )
 def test_user_flags_pass_through_and_win_over_defaults(
@@ -121,7 +121,7 @@ def test_every_ascend_default_flag_is_there_when_the_user_gives_none() -> None:
     argv = build_vllm_command(0, ASCEND).argv
     expected = {
         "--dtype": "bfloat16",
-        "--max-num-seqs": "128",
+        "--max-num-seqs": "256",
         "--max-model-len": "32768",
         "--max-num-batched-tokens": "16384",
         "--gpu-memory-utilization": "0.9",
@@ -209,7 +209,8 @@ def test_recommended_environment_defers_to_the_callers_but_device_and_ports_do_n
         "HCCL_IF_BASE_PORT": "61064",
         "OMP_NUM_THREADS": "32",
         "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-        "TASK_QUEUE_ENABLE": "1",
+        "TASK_QUEUE_ENABLE": "2",
+        "CPU_AFFINITY_CONF": "1",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     }
 
@@ -400,7 +401,7 @@ def test_flag_value(args: list[str], value: str | None) -> None:
 
 @pytest.mark.parametrize(
     ("platform", "extra", "batch"),
-    [("ascend", (), 128), ("cpu", (), 16), ("ascend", ("--max-num-seqs", "256"), 256)],
+    [("ascend", (), 256), ("cpu", (), 16), ("ascend", ("--max-num-seqs", "64"), 64)],
 )
 def test_the_batch_size_workers_start_with(
     platform: Platform, extra: tuple[str, ...], batch: int

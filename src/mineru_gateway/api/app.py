@@ -48,6 +48,7 @@ from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.telemetry import (
     NpuSmiSource,
     NpuTelemetry,
+    find_npu_smi,
     parse_device_workers,
     register_npu_metrics,
 )
@@ -179,9 +180,13 @@ def close_queue_before_deadline(context: GatewayContext) -> None:
 
 
 def build_telemetry(settings: GatewaySettings) -> NpuTelemetry | None:
-    if settings.npu_smi == "off":
+    """None for `npu_smi` off, and for auto where no npu-smi is installed (`find_npu_smi`)."""
+    path = find_npu_smi(settings.npu_smi)
+    if path is None:
+        if settings.npu_smi == "auto":
+            log.info("npu_telemetry_off", reason="no npu-smi on PATH or in /usr/local/[s]bin")
         return None
-    source = NpuSmiSource(None if settings.npu_smi == "auto" else settings.npu_smi)
+    source = NpuSmiSource(path)
     devices = parse_device_workers(settings.npu_devices) if settings.npu_devices else {}
     return NpuTelemetry(source, interval_s=settings.npu_smi_interval_s, device_workers=devices)
 
@@ -212,7 +217,8 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
     )
     context.metrics_registry.register(collector)
     if telemetry is not None:
-        register_npu_metrics(context.metrics_registry, telemetry)
+        names = context.settings.npu_exporter_names
+        register_npu_metrics(context.metrics_registry, telemetry, npu_exporter_names=names)
 
 
 class GatewayApp:

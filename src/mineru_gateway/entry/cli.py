@@ -18,6 +18,7 @@ from mineru_gateway.config import GatewaySettings
 from mineru_gateway.entry import server
 from mineru_gateway.entry.admin import __doc__ as ADMIN_DESCRIPTION
 from mineru_gateway.entry.admin import add_admin_arguments, run_admin
+from mineru_gateway.entry.compose import add_compose_arguments, run_compose
 from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
 from mineru_gateway.entry.logs import configure_logging
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
@@ -104,14 +105,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exporter.add_argument("--host", default="0.0.0.0")
     exporter.add_argument("--port", type=int, default=DEFAULT_EXPORTER_PORT)
-    exporter.add_argument("--npu-smi", default=None, help="npu-smi path (default: from PATH)")
+    exporter.add_argument(
+        "--npu-smi", default=None, help="npu-smi path (default: npu-smi on PATH, at each reading)"
+    )
+    exporter.add_argument(
+        "--npu-exporter-names",
+        type=_boolean,
+        default=True,
+        metavar="true|false",
+        help="also export Ascend npu-exporter's names (npu_chip_info_*): false where Ascend's "
+        "exporter runs on the same host, or each chip counts twice (default true)",
+    )
     exporter.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S)
     exporter.add_argument(
         "--devices", default="", help="which worker uses which NPU: 0=http://w0:30001,1=..."
     )
     exporter.add_argument("--log-level", default="info")
     exporter.set_defaults(handler=_npu_exporter)
+
+    compose = commands.add_parser(
+        "compose",
+        help="write docker-compose.yml and Prometheus' worker targets for a host's NPUs",
+        description="Writes docker-compose.yml and deploy/prometheus/targets/workers.yml for "
+        "one worker per NPU: worker services, the gateway's workers, the NPU exporter's devices "
+        "and Prometheus' targets, all from one NPU list.",
+    )
+    add_compose_arguments(compose)
+    compose.set_defaults(handler=run_compose)
     return parser
+
+
+def _boolean(text: str) -> bool:
+    """A flag's value as Compose or Kubernetes pass a variable: true/false, yes/no, 1/0."""
+    value = text.strip().lower()
+    if value not in ("true", "false", "yes", "no", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in ("true", "yes", "1")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -147,7 +176,10 @@ def _npu_exporter(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, "json")
     devices = parse_device_workers(args.devices) if args.devices else {}
     app = create_exporter_app(
-        npu_smi_path=args.npu_smi, interval_s=args.interval_s, device_workers=devices
+        npu_smi_path=args.npu_smi,
+        interval_s=args.interval_s,
+        device_workers=devices,
+        npu_exporter_names=args.npu_exporter_names,
     )
     server.run(app, args.host, args.port, args.log_level)
     return 0

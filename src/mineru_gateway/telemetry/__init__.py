@@ -1,7 +1,7 @@
 """NPU telemetry: `npu-smi` readings exported as Prometheus metrics (docs/npu-telemetry.md).
 
 npu_smi     pure parsers over npu-smi's text
-source      runs npu-smi (timeouts, typed errors) -> NpuSnapshot
+source      runs npu-smi (timeouts, typed errors) -> NpuSnapshot; which npu-smi a setting means
 collector   NpuTelemetry (periodic refresh, cached) and the Prometheus collector
 exporter    the same as a small standalone process
 """
@@ -31,6 +31,7 @@ from mineru_gateway.telemetry.npu_smi import (
 from mineru_gateway.telemetry.source import (
     DEFAULT_TIMEOUT_S,
     ERROR_KINDS,
+    NPU_SMI_LOCATIONS,
     ErrorKind,
     NpuSmiError,
     NpuSmiExitError,
@@ -40,6 +41,7 @@ from mineru_gateway.telemetry.source import (
     NpuSmiTimeout,
     NpuSnapshot,
     NpuSource,
+    find_npu_smi,
 )
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "DEFAULT_INTERVAL_S",
     "DEFAULT_TIMEOUT_S",
     "ERROR_KINDS",
+    "NPU_SMI_LOCATIONS",
     "ChipReadings",
     "ErrorKind",
     "NpuChip",
@@ -64,6 +67,7 @@ __all__ = [
     "TelemetryState",
     "apply_readings",
     "create_exporter_app",
+    "find_npu_smi",
     "parse_device_workers",
     "parse_info",
     "parse_key_values",

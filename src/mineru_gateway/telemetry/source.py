@@ -36,6 +36,9 @@ ERROR_KINDS: tuple[ErrorKind, ...] = ("not_found", "timeout", "exit_code", "pars
 DetailQuery = Literal["usages", "power", "temp"]
 
 DEFAULT_TIMEOUT_S = 10.0
+# Where Ascend's driver installs npu-smi (docs/vllm-ascend.md): looked at by `auto` after PATH,
+# because a root shell's PATH on an NPU host has them but a service's may not.
+NPU_SMI_LOCATIONS = ("/usr/local/bin/npu-smi", "/usr/local/sbin/npu-smi")
 _REAP_TIMEOUT_S = 5.0  # after SIGKILL; only a process stuck in the kernel takes longer
 _STDERR_LIMIT = 200
 _OUTPUT_LIMIT = 4 * 1024 * 1024  # npu-smi prints a few kB; never hold more than this
@@ -118,7 +121,7 @@ class NpuSmiSource:
         """`npu-smi ARGS...`'s standard output; raises an `NpuSmiError` on any failure."""
         executable = shutil.which(self._path)
         if executable is None:
-            raise NpuSmiNotFound(f"{self._path} not found or not executable")
+            raise NpuSmiNotFound(_not_found_message(self._path))
         returncode, stdout, stderr = await self._communicate([executable, *args])
         if returncode != 0:
             detail = stderr.decode(errors="replace").strip()[:_STDERR_LIMIT]
@@ -152,6 +155,35 @@ class NpuSmiSource:
         finally:
             await _clean_up(spawning, output)
         return transport.get_returncode() or 0, bytes(output.stdout), bytes(output.stderr)
+
+
+def find_npu_smi(setting: str) -> str | None:
+    """The npu-smi to run for the `npu_smi` setting, or None for no NPU telemetry.
+
+    `off` is None. `auto` is npu-smi on PATH or at `NPU_SMI_LOCATIONS`, looked up once, now:
+    None where there is none, so a gateway on a machine without NPUs exports no NPU series and
+    raises no NPU alert. Anything else is a path or command name, kept even if it is missing
+    now: an explicit npu-smi that cannot run is an error to report (`npu_smi_up` 0), not hide.
+    """
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    found = shutil.which("npu-smi")
+    candidates = [found] if found else []
+    candidates += [path for path in NPU_SMI_LOCATIONS if shutil.which(path)]
+    return candidates[0] if candidates else None
+
+
+def _not_found_message(path: str) -> str:
+    if os.path.isdir(path):
+        # What a bind mount of a host file that does not exist leaves behind (Docker creates
+        # an empty directory in its place): say so, it is otherwise hard to see.
+        return (
+            f"{path} is a directory, not npu-smi: nothing was at that path on the host when it "
+            "was mounted (README, Troubleshooting)"
+        )
+    return f"{path} not found or not executable"
 
 
 async def _spawn(argv: list[str], output: _Output) -> asyncio.SubprocessTransport:

