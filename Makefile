@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
 	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
-	bench-mineru-client vllm-router clean
+	bench-mineru-client bench-soak vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,12 @@ bench-routing-vllm: install small-model
 ## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
+
+## Ten minutes of mixed load with a fault every 50 s (workers killed, frozen, failing; slow,
+## idle and vanishing clients): requests lost, the gateway's RSS and descriptors at start and end
+## (issue 14; about 12 minutes). Results: benchmarks/results/soak.{json,md}.
+bench-soak: install
+	$(BIN)/python -m benchmarks.soak --out benchmarks/results/soak.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -156,7 +156,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         server = PrometheusServer(config, directory, binary=tool("prometheus"))
         prometheus = Prometheus(servers.enter_context(server.running()))
-        wait_until(lambda: targets_up(prometheus, 6), 15, "every target scraped")
+        wait_until(lambda: targets_up(prometheus, 6), 60, "every target scraped")
         result = asyncio.run(
             run_load(
                 gateway,

@@ -216,6 +216,14 @@ class Relay:
             )
         except ClientDisconnected:
             outcome = "client_disconnected"
+        except asyncio.CancelledError:
+            # Only the server cancels a request (a client leaving is ClientDisconnected): it
+            # does so at its drain deadline after SIGTERM. Left to uvicorn, an answer not yet
+            # started became a plain-text 500 and a stream was cut without its end (issue 14's
+            # SIGTERM fault test); end it as an explicit 503 or SSE error event instead. The
+            # cancellation has done its work: the upstream request is being closed.
+            outcome = ShuttingDown.code
+            await exchange.fail(ShuttingDown("the gateway stopped before the answer was complete"))
         except GatewayError as error:
             outcome = error.reason
             await exchange.fail(error)

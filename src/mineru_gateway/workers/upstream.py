@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 from mineru_gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
@@ -27,7 +29,14 @@ class Timeouts:
 
 
 class _Watchdog:
-    """A deadline that moves with every chunk, at the cost of one clock read per chunk.
+    """A deadline on the worker's silence, at the cost of one clock read per chunk.
+
+    Only the time spent waiting on the worker counts (from `waiting()` to the next
+    `arrived()`): while the relay is held up by a slow client, backpressure keeps the worker
+    from sending, and that is not its silence (issue 14's slow-reader fault test: a stream read
+    slower than the idle limit was cut, and the cut taken for a client disconnect). The timer
+    fires only while waiting, so its cancellation always lands in the worker read that
+    `iter_chunks` turns into UpstreamTimeout.
 
     `asyncio.timeout(...).reschedule()` per chunk costs a timer handle each time (~3 us, a few
     percent of the relay's whole cost per event); this timer is re-armed only when it fires.
@@ -41,23 +50,33 @@ class _Watchdog:
         self._idle = idle_s
         self._last = self._loop.time()
         self._limit = first_s
+        self._waiting = True
         self._fired = False
         self._handle = self._loop.call_at(self._last + first_s, self._check)
 
-    def touch(self) -> None:
+    def waiting(self) -> None:
+        """The relay asks the worker for the next chunk."""
         self._last = self._loop.time()
+        self._waiting = True
+
+    def arrived(self) -> None:
+        """A chunk came: the relay holds it until the client has taken it."""
+        self._waiting = False
         if self._limit != self._idle:  # the first chunk: from now on, the idle limit
             self._limit = self._idle
             self._handle.cancel()
-            self._handle = self._loop.call_at(self._last + self._idle, self._check)
+            self._handle = self._loop.call_at(self._loop.time() + self._idle, self._check)
 
     def _check(self) -> None:
+        now = self._loop.time()
         deadline = self._last + self._limit
-        if self._loop.time() >= deadline:
+        if self._waiting and now >= deadline:
             self._fired = True
             self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(deadline, self._check)
+        else:  # held by the client, the deadline is a whole limit after it asks again
+            self._handle = self._loop.call_at(
+                deadline if self._waiting else now + self._limit, self._check
+            )
 
     def expire_cancel(self) -> bool:
         """True (and the cancellation withdrawn) if the cancellation was this deadline's."""
@@ -74,11 +93,17 @@ class UpstreamResponse:
     learns that nobody waits for the answer any more, and vLLM then aborts the generation.
     """
 
-    def __init__(self, response: aiohttp.ClientResponse, timeouts: Timeouts) -> None:
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        timeouts: Timeouts,
+        watched: weakref.WeakSet[asyncio.Future[None]],
+    ) -> None:
         self._response = response
         self._timeouts = timeouts
         self.status = response.status
         self.content_type = response.headers.get("Content-Type", "application/json")
+        self._guard = _BodyGuard(response, watched)
 
     @property
     def is_event_stream(self) -> bool:
@@ -90,7 +115,7 @@ class UpstreamResponse:
                 return await self._response.read()
         except TimeoutError:
             raise UpstreamTimeout("worker did not finish its answer in time") from None
-        except aiohttp.ClientError as exc:
+        except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
@@ -103,22 +128,72 @@ class UpstreamResponse:
         watchdog = _Watchdog(self._timeouts.first_byte_s, self._timeouts.idle_s)
         try:
             while chunk := await content.readany():
-                watchdog.touch()
+                watchdog.arrived()
                 yield chunk
+                watchdog.waiting()
         except asyncio.CancelledError:
             if watchdog.expire_cancel():
                 raise UpstreamTimeout("worker stream went silent") from None
             raise
-        except aiohttp.ClientError as exc:
+        except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed mid-stream: {exc}") from exc
         finally:
             watchdog.stop()
 
     def close(self) -> None:
+        self._guard.stop()
         self._response.close()
 
     def release(self) -> None:
+        self._guard.stop()
         self._response.release()
+
+
+# What reading a body may raise when the worker's answer breaks: aiohttp's own errors, and the
+# pure-Python parser's (aiohttp without its C extension), which are not ClientErrors.
+BROKEN_BODY = (aiohttp.ClientError, HttpProcessingError)
+
+
+class _BodyGuard:
+    """Fails a body's reader whose connection closed before the body ended.
+
+    aiohttp's C parser closes the connection on a malformed chunk in a body but neither ends
+    nor fails the body's reader: a read would wait for the stream's idle limit (two minutes by
+    default) on an answer that is already broken (issue 14's garbage-answer fault test). One
+    callback per response on the connection's `closed` future, taken off again when the
+    response is closed (pooled connections outlive their responses), so nothing is added per
+    chunk. `closed` is made on first use: whoever makes it must see its error (a reset) taken,
+    or asyncio logs it as never retrieved; `watched` holds the futures that have their taker.
+    """
+
+    def __init__(
+        self, response: aiohttp.ClientResponse, watched: weakref.WeakSet[asyncio.Future[None]]
+    ) -> None:
+        self._content = response.content
+        connection = response.connection
+        protocol = connection.protocol if connection is not None else None
+        # `is not None`: a protocol with nothing buffered is falsy (it has a length).
+        self._closed = protocol.closed if protocol is not None else None
+        if self._closed is None:
+            return
+        if self._closed not in watched:
+            watched.add(self._closed)
+            self._closed.add_done_callback(_take_error)
+        self._closed.add_done_callback(self._fail_unfinished)
+
+    def _fail_unfinished(self, closed: asyncio.Future[None]) -> None:
+        if not self._content.is_eof() and self._content.exception() is None:
+            self._content.set_exception(aiohttp.ClientPayloadError("the answer broke off"))
+
+    def stop(self) -> None:
+        if self._closed is not None:
+            self._closed.remove_done_callback(self._fail_unfinished)
+            self._closed = None
+
+
+def _take_error(closed: asyncio.Future[None]) -> None:
+    if not closed.cancelled():
+        closed.exception()
 
 
 LARGE_BODY = 1024 * 1024
@@ -143,6 +218,7 @@ class UpstreamClient:
     def __init__(self, timeouts: Timeouts) -> None:
         self.timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
+        self._watched: weakref.WeakSet[asyncio.Future[None]] = weakref.WeakSet()
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -183,7 +259,7 @@ class UpstreamClient:
             raise UpstreamConnectError(f"cannot reach worker {url}: {exc}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"worker request failed: {exc}") from exc
-        return UpstreamResponse(response, self.timeouts)
+        return UpstreamResponse(response, self.timeouts, self._watched)
 
     async def get_json(self, url: str, timeout_s: float) -> Any:
         """GET a small JSON document (model lists, worker metrics)."""
