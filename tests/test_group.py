@@ -459,6 +459,7 @@ def chat_through(up: Up, count: int) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(600)  # two real vLLM starts and a restart: minutes on a loaded machine
 def test_up_runs_real_vllm_workers_routes_to_both_and_restarts_a_killed_one(
     tmp_path: Path, ups: list[Up]
 ) -> None:

@@ -69,7 +69,8 @@ async def test_requests_beyond_the_batch_queue_and_abort_when_their_clients_go(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        state = await wait_for_state(control, lambda s: s["aborted"] == 6)
+        # in_flight drops when each handler has returned, a moment after its abort
+        state = await wait_for_state(control, lambda s: s["aborted"] == 6 and s["in_flight"] == 0)
         assert (state["running"], state["waiting"], state["completed"]) == (0, 0, 0)
         assert state["kv_cache_usage"] == 0.0
         assert state["in_flight"] == 0
