@@ -24,11 +24,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mineru_gateway.api.media import URL_PARTS, param_of, url_of
 from mineru_gateway.errors import HeadersTooLarge, InvalidRequest
 from mineru_gateway.images import data_url_payload, image_size
 
 IMAGE_PARTS = ("image_url", "input_image")
-MEDIA_PARTS = (*IMAGE_PARTS, "video_url", "audio_url", "input_audio")
+MEDIA_PARTS = (*URL_PARTS, "input_audio")  # what vLLM may fetch, plus inline audio
 PIL_MAX_IMAGE_PIXELS = 89_478_485  # PIL's own decompression-bomb warning threshold
 QWEN2_VL_MAX_ASPECT = 200.0  # Qwen2-VL's smart_resize refuses a longer-to-shorter ratio past it
 
@@ -98,14 +99,14 @@ class RequestLimits:
 
     def _check_image(self, where: str, part: dict[str, Any]) -> None:
         kind = _kind(part)
-        url = _url_of(part.get(kind)) if kind is not None else None
+        url = url_of(part.get(kind)) if kind is not None else None
         if url is None or not url.startswith("data:"):
             return  # a fetched URL is the media policy's business (api/media.py)
         payload = data_url_payload(url)
         if payload is None:
             raise InvalidRequest(
                 f"{where}: a data: URL image must be base64 (data:image/png;base64,...)",
-                param=_param(where),
+                param=param_of(where),
                 code="image_unreadable",
             )
         size = image_size(payload)
@@ -127,7 +128,7 @@ class RequestLimits:
         if problem is not None:
             raise InvalidRequest(
                 f"{where}: the image ({width}x{height}) {problem}",
-                param=_param(where),
+                param=param_of(where),
                 code="image_too_large",
             )
 
@@ -178,13 +179,3 @@ def _kind(part: dict[str, Any]) -> str | None:
     if isinstance(kind, str) and kind in part:
         return kind
     return next((name for name in MEDIA_PARTS if name in part), None)
-
-
-def _url_of(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("url")
-    return value if isinstance(value, str) else None
-
-
-def _param(where: str) -> str:
-    return where.replace("[", ".").replace("]", "")

@@ -53,7 +53,7 @@ class MediaPolicy:
                         if self.mode == "data"
                         else "data: URLs and its allowlist only"
                     ),
-                    param=where.replace("[", ".").replace("]", ""),
+                    param=param_of(where),
                 )
 
 
@@ -66,13 +66,18 @@ def _media_urls(messages: Sequence[Any]) -> Iterator[tuple[str, str]]:
             if not isinstance(part, dict):
                 continue
             for kind in URL_PARTS:
-                url = _url_of(part.get(kind))
+                url = url_of(part.get(kind))
                 if url is not None:
                     yield f"messages[{index}].content[{number}].{kind}", url
 
 
-def _url_of(value: Any) -> str | None:
+def url_of(value: Any) -> str | None:
     """`{"url": ...}` as OpenAI nests it, or a bare string as some clients send."""
     if isinstance(value, dict):
         value = value.get("url")
     return value if isinstance(value, str) else None
+
+
+def param_of(where: str) -> str:
+    """`messages[1].content[0]` as an OpenAI error's `param`: `messages.1.content.0`."""
+    return where.replace("[", ".").replace("]", "")
