@@ -93,7 +93,11 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(
     script.mode = "hang"
     gateway = start_gateway([worker], batch_limit=1)
     async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
-        tasks = [asyncio.create_task(client.post(CHAT, json=chat())) for _ in range(HOLD + 1)]
+        # The held requests reach the worker first: requests sent together reach the gateway in
+        # any order, and the one cancelled below must be the one waiting in its queue.
+        tasks = [asyncio.create_task(client.post(CHAT, json=chat())) for _ in range(HOLD)]
+        await wait_for(lambda: len(script.seen) == HOLD or None)
+        tasks.append(asyncio.create_task(client.post(CHAT, json=chat())))
         await wait_for(lambda: queued(gateway) == 1 or None)
         tasks[-1].cancel()
         await wait_for(lambda: queued(gateway) == 0 or None, limit_s=2)

@@ -166,7 +166,7 @@ def rss_mb(pid: int | None = None) -> float:
 async def gateway_counters(url: str) -> dict[str, float]:
     """The gateway's in-flight and queue gauges (each summed over its labels), and what its
     `/v1/workers` says is in flight and costed on the workers."""
-    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         text = (await client.get("/metrics")).text
         workers = (await client.get("/v1/workers")).json()["workers"]
     totals = dict.fromkeys(ZEROED_SERIES, 0.0)
