@@ -36,7 +36,7 @@ import aiohttp
 from mineru_gateway.testing import free_port, wait_http_ok
 
 CHAT = "/v1/chat/completions"
-PROXIES = ("gateway", "gateway-baseline", "bare-proxy", "naive-httpx")
+PROXIES = ("gateway", "gateway-processes", "gateway-baseline", "bare-proxy", "naive-httpx")
 READY_TIMEOUT_S = 60.0
 
 
@@ -76,9 +76,25 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """CPU seconds of `pid` and of its live children (`serve --processes N` runs in N)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    total = 0
+    for entry in [f"/proc/{pid}", *_children(pid)]:
+        try:
+            fields = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def _children(pid: int) -> list[str]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = Path(task, "children")
+        if children.exists():
+            found.extend(f"/proc/{child}" for child in children.read_text().split())
+    return found
 
 
 @dataclass
@@ -175,8 +191,12 @@ class Fleet:
         sim_args: list[str],
         gateway_args: list[str],
         baseline_src: Path | None = None,
+        processes: int = 0,
     ) -> None:
         self.baseline_src = baseline_src
+        self.processes_count = processes
+        self.multi_url = ""
+        self.multi_pid = 0
         self.baseline_url = ""
         self.baseline_pid = 0
         self.worker_urls: list[str] = []
@@ -215,6 +235,13 @@ class Fleet:
         self.gateway_pid = self._spawn(args).pid
         self.gateway_url = f"http://127.0.0.1:{port}"
         wait_http_ok(self.gateway_url + "/ready", READY_TIMEOUT_S)
+        if self.processes_count > 1:
+            port = free_port()
+            args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
+            args += ["--processes", str(self.processes_count)]
+            self.multi_pid = self._spawn(args).pid
+            self.multi_url = f"http://127.0.0.1:{port}"
+            wait_http_ok(self.multi_url + "/ready", READY_TIMEOUT_S)
         if self.baseline_src is not None:
             port = free_port()
             args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
@@ -264,6 +291,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "direct": fleet.worker_urls,
             "gateway": [fleet.gateway_url],
             "gateway-baseline": [fleet.baseline_url],
+            "gateway-processes": [fleet.multi_url],
             "naive-httpx": [fleet.naive_url],
             "bare-proxy": [fleet.bare_url],
         }[mode]
@@ -271,6 +299,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "naive-httpx": fleet.naive_pid,
             "bare-proxy": fleet.bare_pid,
             "gateway-baseline": fleet.baseline_pid,
+            "gateway-processes": fleet.multi_pid,
         }.get(mode, fleet.gateway_pid)
         cpu_before = process_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
@@ -366,7 +395,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="a checkout whose gateway runs as mode gateway-baseline (added to --modes)",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="also run `serve --processes N` as mode gateway-processes (added to --modes)",
+    )
     args = parser.parse_args(argv)
+    if args.processes > 1 and "gateway-processes" not in args.modes:
+        args.modes.append("gateway-processes")
     if args.baseline_src is not None and "gateway-baseline" not in args.modes:
         args.modes.append("gateway-baseline")
     return args
@@ -376,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sim_args = ["--time-scale", str(args.time_scale), "--model-name", args.model]
     gateway_args = ["--log-level", args.gateway_log_level]
-    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src)
+    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src, args.processes)
     fleet.start()
     try:
         import uvloop

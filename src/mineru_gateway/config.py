@@ -96,6 +96,14 @@ class GatewaySettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port to listen on (0: any).")
+    processes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Gateway processes sharing the port (SO_REUSEPORT), one per core to use; "
+        "each routes on its own counts plus the workers' reported queues, and /metrics shows "
+        "them all as one gateway (docs/architecture.md). `serve` only.",
+    )
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Worker base URLs, comma-separated (e.g. http://127.0.0.1:30001).",

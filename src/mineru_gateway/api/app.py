@@ -25,8 +25,8 @@ from mineru_gateway import __version__
 from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.limits import RequestLimits
+from mineru_gateway.api.listeners import Listener, metrics_app, sibling_view
 from mineru_gateway.api.media import MediaPolicy
-from mineru_gateway.api.metrics_listener import MetricsListener
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
@@ -45,6 +45,7 @@ from mineru_gateway.errors import (
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
 from mineru_gateway.routing import LoadModel, make_policy
+from mineru_gateway.siblings import SIBLING_SCOPE_KEY, Siblings
 from mineru_gateway.telemetry import (
     NpuSmiSource,
     NpuTelemetry,
@@ -73,6 +74,7 @@ def build_context(
     settings: GatewaySettings,
     lifecycle: Lifecycle | None = None,
     control: WorkerControl | None = None,
+    siblings: Siblings | None = None,
 ) -> GatewayContext:
     client = UpstreamClient(
         Timeouts(
@@ -130,6 +132,7 @@ def build_context(
         limits=request_limits(settings),
         priority_header=settings.priority_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
+        siblings=siblings,
     )
 
 
@@ -257,25 +260,40 @@ def create_app(
     settings: GatewaySettings,
     lifecycle: Lifecycle | None = None,
     control: WorkerControl | None = None,
+    siblings: Siblings | None = None,
 ) -> GatewayApp:
     """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests.
-    With `control` (from `up`) it can restart its workers one at a time."""
+    With `control` (from `up`) it can restart its workers one at a time; with `siblings` it is
+    one of several processes sharing the port (siblings.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        context = build_context(settings, lifecycle, control)
+        context = build_context(settings, lifecycle, control, siblings)
         if context.rolling is not None:
             context.lifecycle.on_rolling_restart(_start_rolling(context.rolling))
-        telemetry = build_telemetry(settings)
+        # One process reads npu-smi for all: each reading takes the driver's time.
+        telemetry = build_telemetry(settings) if siblings is None or siblings.index == 0 else None
         register_metrics(context, telemetry)
         close_queue_before_deadline(context)
         discovery = DnsDiscovery(
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
-        listener = None
+        listeners: list[Listener] = []
+        if siblings is not None:
+            listeners.append(
+                Listener(sibling_view(gateway, context.lifespan_state()), uds=siblings.own_socket)
+            )
         if settings.metrics_port is not None:
             host = settings.metrics_host or settings.host
-            listener = MetricsListener(context.metrics_registry, host, settings.metrics_port)
+            listeners.append(
+                Listener(
+                    metrics_app(lambda: render_metrics(context, sibling=False)),
+                    host=host,
+                    port=settings.metrics_port,
+                    reuse_port=siblings is not None,
+                )
+            )
+        for listener in listeners:
             await listener.start()
         await context.client.start()
         await discovery.start()
@@ -291,7 +309,7 @@ def create_app(
         try:
             yield context.lifespan_state()
         finally:
-            if listener is not None:
+            for listener in listeners:
                 await listener.stop()
             if context.rolling is not None:
                 await context.rolling.stop()
@@ -307,7 +325,61 @@ def create_app(
         app.router.routes.append(Route(path, relay, methods=["POST"]))
     _add_control_routes(app)
     _add_error_handlers(app)
-    return GatewayApp(app, relays, request_limits(settings))
+    gateway = GatewayApp(app, relays, request_limits(settings))
+    return gateway
+
+
+async def render_metrics(context: GatewayContext, *, sibling: bool) -> bytes:
+    """This process's exposition for a sibling's scrape, else the whole gateway's."""
+    own = generate_latest(context.metrics_registry)
+    if context.siblings is None or sibling:
+        return own
+    return await context.siblings.metrics(own)
+
+
+async def _workers_view(request: Request) -> dict[str, Any]:
+    """`_describe_workers`, with the in-flight figures of every process when there are several
+    (a drained worker is idle when no process has a request on it)."""
+    context = _context(request)
+    view = _describe_workers(context)
+    siblings = context.siblings
+    if siblings is None or request.scope.get(SIBLING_SCOPE_KEY):
+        return view
+    headers = {"authorization": value} if (value := request.headers.get("authorization")) else {}
+    answers = await asyncio.gather(
+        *(siblings.request(index, "GET", "/v1/workers", headers) for index in siblings.others),
+        return_exceptions=True,
+    )
+    by_url = {worker["url"]: worker for worker in view["workers"]}
+    for answer in answers:
+        if isinstance(answer, BaseException) or answer[0] != 200:
+            continue
+        for theirs in orjson.loads(answer[1])["workers"]:
+            ours = by_url.get(theirs["url"])
+            if ours is not None:
+                for key in ("in_flight", "estimated_cost"):
+                    ours[key] += theirs[key]
+    view["processes"] = siblings.count
+    return view
+
+
+async def propagate(request: Request) -> None:
+    """Repeats an operator's change, just applied here, on the other processes."""
+    context = _context(request)
+    if context.siblings is None or request.scope.get(SIBLING_SCOPE_KEY):
+        return
+    headers = {
+        name: value
+        for name in ("authorization", "content-type")
+        if (value := request.headers.get(name)) is not None
+    }
+    body = await request.body()
+    failed = await context.siblings.forward(request.method, request.url.path, headers, body)
+    if failed:
+        raise GatewayError(
+            f"the change was made in this process but failed in {failed} of the gateway's "
+            f"other {context.siblings.count - 1} processes; see the gateway's log"
+        )
 
 
 def _start_rolling(rolling: RollingRestart) -> Callable[[], None]:
@@ -354,44 +426,49 @@ def _add_control_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
         context = _context(request)
-        if context.settings.metrics_port is not None:
+        if context.settings.metrics_port is not None and not request.scope.get(SIBLING_SCOPE_KEY):
             raise UnknownPath(
                 "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
                 "not on this port"
             )
-        registry = context.metrics_registry
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        sibling = bool(request.scope.get(SIBLING_SCOPE_KEY))
+        body = await render_metrics(context, sibling=sibling)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/workers", dependencies=[Depends(_client_or_admin)])
     async def workers(request: Request) -> Response:
         """Each worker's URL, state, load (own and reported) and last error."""
-        return _json(_describe_workers(_context(request)))
+        return _json(await _workers_view(request))
 
     @app.post("/v1/workers", dependencies=[Depends(_admin)])
     async def add_worker(request: Request, change: WorkerChange) -> Response:
         """Adds a worker at run time; it takes traffic once its health check passes."""
         registry = _context(request).registry
         await registry.check(registry.add(change.url))
-        return _json(_describe_workers(_context(request)), 201)
+        await propagate(request)
+        return _json(await _workers_view(request), 201)
 
     @app.delete("/v1/workers", dependencies=[Depends(_admin)])
     async def remove_worker(request: Request, change: WorkerChange) -> Response:
         """Stops routing new requests to a worker; those already there finish normally."""
         _context(request).registry.remove(change.url)
-        return _json(_describe_workers(_context(request)))
+        await propagate(request)
+        return _json(await _workers_view(request))
 
     @app.post("/v1/workers/drain", dependencies=[Depends(_admin)])
     async def drain_worker(request: Request, change: WorkerChange) -> Response:
         """No new requests to a worker (queued ones go to the others); those on it finish.
         Its `in_flight` in the answer (and in GET /v1/workers) says when it is idle."""
         _known(_context(request), change.url).drain(change.url)
-        return _json(_describe_workers(_context(request)))
+        await propagate(request)
+        return _json(await _workers_view(request))
 
     @app.post("/v1/workers/undrain", dependencies=[Depends(_admin)])
     async def undrain_worker(request: Request, change: WorkerChange) -> Response:
         """A drained worker takes requests again (once its health check passes)."""
         _known(_context(request), change.url).undrain(change.url)
-        return _json(_describe_workers(_context(request)))
+        await propagate(request)
+        return _json(await _workers_view(request))
 
     @app.post("/v1/workers/restart", dependencies=[Depends(_admin)])
     async def restart_workers(request: Request, change: RestartRequest) -> Response:

@@ -21,6 +21,7 @@ from mineru_gateway.entry.admin import add_admin_arguments, run_admin
 from mineru_gateway.entry.compose import add_compose_arguments, run_compose
 from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
 from mineru_gateway.entry.logs import configure_logging
+from mineru_gateway.entry.processes import run_processes
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
 from mineru_gateway.telemetry import (
     DEFAULT_EXPORTER_PORT,
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start N workers and the gateway as one supervised group")
     add_group_arguments(up)
-    _add_settings_arguments(up, skip=("workers",))
+    _add_settings_arguments(up, skip=("workers", "processes"))
     up.set_defaults(handler=_up)
 
     worker = commands.add_parser(
@@ -146,6 +147,8 @@ def _boolean(text: str) -> bool:
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    if settings.processes > 1:
+        return run_processes(settings)
     lifecycle = Lifecycle()
     server.run(
         create_app(settings, lifecycle),
@@ -192,6 +195,13 @@ def _up(args: argparse.Namespace) -> int:
         print(f"mineru-gateway up: {error}", file=sys.stderr)
         return 2
     settings = settings_from_args(args, workers=group.worker_urls())
+    if settings.processes > 1:
+        print(
+            "mineru-gateway up: one gateway process only (MINERU_GATEWAY_PROCESSES is for "
+            "`serve`, in front of workers started apart)",
+            file=sys.stderr,
+        )
+        return 2
     if settings.batch_limit is None:  # the group knows its workers' batch: no need to learn it
         settings = settings.model_copy(update={"batch_limit": group.batch_limit()})
     configure_logging(settings.log_level, settings.log_format)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
@@ -71,11 +72,13 @@ def run(
     *,
     graceful_timeout_s: float | None = None,
     on_signal: Callable[[], None] | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
-    """Serves `app` until SIGINT/SIGTERM, on uvloop; `on_signal` runs first (e.g. draining)."""
+    """Serves `app` until SIGINT/SIGTERM, on uvloop; `on_signal` runs first (e.g. draining).
+    `sockets`: already bound listening sockets to serve on, instead of binding host:port."""
     served = make_server(app, host, port, log_level, graceful_timeout_s)
     served.on_signal = on_signal
-    served.run()
+    served.run(sockets)
 
 
 def run_async(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

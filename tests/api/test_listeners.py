@@ -1,14 +1,16 @@
-"""`/metrics` on a listener of its own (issue 14): tenants on the client port cannot read it."""
+"""Listeners besides the client port: `/metrics` on one of its own (issue 14), so tenants on the
+client port cannot read it."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from mineru_gateway.api.metrics_listener import MetricsListener
+from mineru_gateway.api.listeners import Listener, metrics_app
 from mineru_gateway.testing import free_port
 from tests.conftest import StartGateway
 from tests.support.workers import Script
@@ -34,10 +36,17 @@ def test_with_a_metrics_port_metrics_leave_the_client_port(
     assert httpx.head(f"http://127.0.0.1:{port}/metrics").status_code == 200
 
 
+def render(registry: CollectorRegistry) -> Callable[[], Awaitable[bytes]]:
+    async def rendered() -> bytes:
+        return generate_latest(registry)
+
+    return rendered
+
+
 async def test_the_listener_serves_its_registry_and_stops() -> None:
     registry = CollectorRegistry()
     Counter("probe_events", "a test counter", registry=registry).inc(3)
-    listener = MetricsListener(registry, "127.0.0.1", 0)
+    listener = Listener(metrics_app(render(registry)))
     await listener.start()
     url = f"http://127.0.0.1:{listener.port}/metrics"
     async with httpx.AsyncClient() as client:
@@ -53,6 +62,6 @@ async def test_a_taken_port_is_a_clear_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        listener = MetricsListener(CollectorRegistry(), "127.0.0.1", port)
+        listener = Listener(metrics_app(render(CollectorRegistry())), port=port)
         with pytest.raises(OSError, match=f"could not listen on 127.0.0.1:{port}"):
             await listener.start()

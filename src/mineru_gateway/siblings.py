@@ -1,0 +1,169 @@
+"""Several gateway processes on one port: how each reaches the others, and one `/metrics` for all.
+
+`serve --processes N` (entry/processes.py) starts N processes that each listen on the gateway's
+port with SO_REUSEPORT: the kernel spreads new connections over them. Each process keeps its own
+worker registry, queue and counters and routes on its own in-flight counts plus the workers'
+reported queues (the same signal that balances several gateway replicas). Besides the port, each
+serves the whole gateway app on a private Unix socket in a directory only its user can open;
+requests arriving there are marked as a sibling's. Through those sockets a process
+
+- answers `/metrics` for the whole gateway: it asks every sibling for its own exposition and
+  merges them (`merge_expositions`), so dashboards and alerts read the same series whether one
+  process or many run;
+- applies an operator's change to every process: adding, removing, draining or undraining a
+  worker is forwarded to the siblings, or the processes would route differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import structlog
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector, CollectorRegistry
+
+log = structlog.get_logger("mineru_gateway.siblings")
+
+SIBLING_SCOPE_KEY = "mineru_gateway.sibling"  # set on requests that came over a sibling socket
+
+# Gauges that count what each process holds: the gateway's is the sum over its processes. Every
+# other gauge describes something all processes see alike (a worker's health or reported queue,
+# the version): the largest value stands for all, except the start time, where the earliest does.
+SUMMED_GAUGES = frozenset(
+    {
+        "mineru_gateway_requests_in_flight",
+        "mineru_gateway_queue_requests",
+        "mineru_gateway_queue_bytes",
+        "mineru_gateway_tenant_requests_in_flight",
+    }
+)
+EARLIEST_GAUGES = frozenset({"mineru_gateway_start_time_seconds"})
+PROCESSES_GAUGE = "mineru_gateway_processes"
+
+
+def merge_expositions(texts: Sequence[str]) -> bytes:
+    """One Prometheus exposition for the processes whose own expositions are `texts`.
+
+    Counters and histograms add up; gauges follow SUMMED_GAUGES / EARLIEST_GAUGES, else the
+    largest value. `mineru_gateway_processes` says how many processes answered.
+    """
+    families: dict[str, Metric] = {}
+    tables: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(
+                    family.name, family.documentation, family.type
+                )
+                tables[family.name] = {}
+            table = tables[family.name]
+            rule = _rule(family)
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                before = table.get(key)
+                table[key] = sample.value if before is None else rule(before, sample.value)
+    for name, merged in families.items():
+        for (sample_name, labels), value in tables[name].items():
+            merged.add_sample(sample_name, dict(labels), value)
+    count = Metric(PROCESSES_GAUGE, "Gateway processes whose figures this scrape holds.", "gauge")
+    count.add_sample(PROCESSES_GAUGE, {}, float(len(texts)))
+    families[PROCESSES_GAUGE] = count
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(families.values()))
+    return generate_latest(registry)
+
+
+def _rule(family: Metric) -> Callable[[float, float], float]:
+    if family.type != "gauge" or family.name in SUMMED_GAUGES:
+        return operator.add
+    if family.name in EARLIEST_GAUGES:
+        return min
+    return max
+
+
+class _Fixed(Collector):
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+@dataclass(frozen=True, slots=True)
+class Siblings:
+    """This process's place among the gateway's processes, and its way to the others."""
+
+    index: int
+    count: int
+    directory: Path
+
+    def socket_path(self, index: int) -> Path:
+        return self.directory / f"gateway-{index}.sock"
+
+    @property
+    def own_socket(self) -> Path:
+        return self.socket_path(self.index)
+
+    @property
+    def others(self) -> list[int]:
+        return [index for index in range(self.count) if index != self.index]
+
+    async def request(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        headers: Mapping[str, str] | None = None,
+        body: bytes = b"",
+        timeout_s: float = 10.0,
+    ) -> tuple[int, bytes]:
+        """One request to sibling `index` over its socket: (status, body)."""
+        connector = aiohttp.UnixConnector(path=str(self.socket_path(index)))
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+            session.request(
+                method, "http://sibling" + path, headers=dict(headers or {}), data=body
+            ) as response,
+        ):
+            return response.status, await response.read()
+
+    async def metrics(self, own: bytes) -> bytes:
+        """The whole gateway's /metrics: this process's `own` exposition and its siblings'.
+
+        A sibling that does not answer (restarting) is left out of this scrape and logged.
+        """
+        answers = await asyncio.gather(
+            *(self.request(index, "GET", "/metrics", timeout_s=5.0) for index in self.others),
+            return_exceptions=True,
+        )
+        texts = [own.decode()]
+        for index, answer in zip(self.others, answers, strict=True):
+            if isinstance(answer, BaseException) or answer[0] != 200:
+                log.warning("sibling_metrics_missing", process=index, error=repr(answer)[:200])
+                continue
+            texts.append(answer[1].decode())
+        return merge_expositions(texts)
+
+    async def forward(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> int:
+        """Repeats an operator's change on every sibling; returns how many did not take it."""
+        answers = await asyncio.gather(
+            *(self.request(index, method, path, headers, body) for index in self.others),
+            return_exceptions=True,
+        )
+        failed = 0
+        for index, answer in zip(self.others, answers, strict=True):
+            if isinstance(answer, BaseException) or answer[0] >= 300:
+                failed += 1
+                log.error(
+                    "sibling_change_failed", process=index, path=path, error=repr(answer)[:300]
+                )
+        return failed

@@ -1,0 +1,267 @@
+"""`serve --processes N` (issue 16): several gateway processes on one port, seen as one gateway.
+
+The merge of the processes' expositions is pure code; the rest runs the real command against a
+simulated worker on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mineru_gateway.api.app import create_app
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.entry.processes import run_processes
+from mineru_gateway.siblings import Siblings, merge_expositions
+from mineru_gateway.testing import free_port, wait_until
+from tests.conftest import StartSim
+from tests.support.servers import serve
+
+ADMIN = "admin-secret"
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def exposition(
+    ok: int,
+    fast: int,
+    count: int,
+    seconds: float,
+    in_flight: int,
+    w1_healthy: int,
+    started: int,
+    disconnected: int = 0,
+) -> str:
+    """One process's own /metrics, in the shape the gateway's collectors give it."""
+    left = (
+        f'mineru_gateway_requests_total{{outcome="client_disconnected"}} {disconnected}\n'
+        if disconnected
+        else ""
+    )
+    return f"""\
+# HELP mineru_gateway_requests_total Requests finished.
+# TYPE mineru_gateway_requests_total counter
+mineru_gateway_requests_total{{outcome="ok"}} {ok}
+{left}# HELP mineru_gateway_ttft_seconds TTFT.
+# TYPE mineru_gateway_ttft_seconds histogram
+mineru_gateway_ttft_seconds_bucket{{le="0.1"}} {fast}
+mineru_gateway_ttft_seconds_bucket{{le="+Inf"}} {count}
+mineru_gateway_ttft_seconds_count {count}
+mineru_gateway_ttft_seconds_sum {seconds}
+# HELP mineru_gateway_requests_in_flight In flight.
+# TYPE mineru_gateway_requests_in_flight gauge
+mineru_gateway_requests_in_flight{{worker="w0"}} {in_flight}
+# HELP mineru_gateway_worker_healthy Healthy.
+# TYPE mineru_gateway_worker_healthy gauge
+mineru_gateway_worker_healthy{{worker="w0"}} 1
+mineru_gateway_worker_healthy{{worker="w1"}} {w1_healthy}
+# HELP mineru_gateway_start_time_seconds Start.
+# TYPE mineru_gateway_start_time_seconds gauge
+mineru_gateway_start_time_seconds {started}
+"""
+
+
+PROCESS_A = exposition(3, 2, 3, 0.5, 2, 0, 200, disconnected=1)
+PROCESS_B = exposition(4, 1, 4, 2.0, 5, 1, 100)
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_counters_and_histograms_add_up_across_processes() -> None:
+    merged = samples(merge_expositions([PROCESS_A, PROCESS_B]).decode())
+    assert merged[("mineru_gateway_requests_total", (("outcome", "ok"),))] == 7.0
+    assert merged[("mineru_gateway_requests_total", (("outcome", "client_disconnected"),))] == 1
+    assert merged[("mineru_gateway_ttft_seconds_bucket", (("le", "0.1"),))] == 3.0
+    assert merged[("mineru_gateway_ttft_seconds_bucket", (("le", "+Inf"),))] == 7.0
+    assert merged[("mineru_gateway_ttft_seconds_count", ())] == 7.0
+    assert merged[("mineru_gateway_ttft_seconds_sum", ())] == 2.5
+    assert merged[("mineru_gateway_processes", ())] == 2.0
+
+
+def test_gauges_add_up_only_where_each_process_holds_its_own_share() -> None:
+    merged = samples(merge_expositions([PROCESS_A, PROCESS_B]).decode())
+    # Requests on a worker: each process has its own.
+    assert merged[("mineru_gateway_requests_in_flight", (("worker", "w0"),))] == 7.0
+    # A worker's health: every process sees the same worker; one gateway's view, not a count.
+    assert merged[("mineru_gateway_worker_healthy", (("worker", "w0"),))] == 1.0
+    assert merged[("mineru_gateway_worker_healthy", (("worker", "w1"),))] == 1.0
+    assert merged[("mineru_gateway_start_time_seconds", ())] == 100.0
+
+
+def test_one_process_merges_to_its_own_figures() -> None:
+    merged = samples(merge_expositions([PROCESS_A]).decode())
+    assert merged.pop(("mineru_gateway_processes", ())) == 1.0
+    assert merged == samples(PROCESS_A)
+
+
+@pytest.fixture
+def sibling_pair(start_sim: StartSim, servers: ExitStack, tmp_path: Path) -> list[str]:
+    """Two gateway apps that are each other's siblings, each on a port of its own (the
+    shared port is the kernel's part; everything else is the gateway's)."""
+    worker = start_sim(model_name=MODEL)
+    settings = GatewaySettings(
+        workers=[worker], port=0, health_interval_s=0.2, log_level="warning", admin_keys=[ADMIN]
+    )
+    return [
+        servers.enter_context(serve(create_app(settings, siblings=Siblings(index, 2, tmp_path))))
+        for index in range(2)
+    ]
+
+
+def requests_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "mineru_gateway_requests_total"
+    )
+
+
+def test_each_process_answers_metrics_for_the_whole_gateway(sibling_pair: list[str]) -> None:
+    first, second = sibling_pair
+    for _ in range(3):
+        assert httpx.post(first + CHAT, json=BODY, timeout=30).status_code == 200
+    for _ in range(5):
+        assert httpx.post(second + CHAT, json=BODY, timeout=30).status_code == 200
+    assert requests_total(first) == requests_total(second) == 8.0
+    text = httpx.get(first + "/metrics").text
+    assert "mineru_gateway_processes 2.0" in text
+    # What a process tells a sibling is its own share only.
+    assert httpx.get(second + "/v1/workers").json()["processes"] == 2
+
+
+def test_metrics_leave_out_a_sibling_that_does_not_answer(
+    start_sim: StartSim, servers: ExitStack, tmp_path: Path
+) -> None:
+    worker = start_sim(model_name=MODEL)
+    settings = GatewaySettings(workers=[worker], port=0, health_interval_s=0.2)
+    alone = servers.enter_context(serve(create_app(settings, siblings=Siblings(0, 2, tmp_path))))
+    assert httpx.post(alone + CHAT, json=BODY, timeout=30).status_code == 200
+    text = httpx.get(alone + "/metrics").text
+    assert "mineru_gateway_processes 1.0" in text
+    assert requests_total(alone) == 1.0
+
+
+def test_an_operators_change_reaches_every_process(sibling_pair: list[str]) -> None:
+    first, second = sibling_pair
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    wait_until(lambda: all_healthy(first) and all_healthy(second), 10, "workers healthy")
+    worker = httpx.get(first + "/v1/workers").json()["workers"][0]["url"]
+    drained = httpx.post(first + "/v1/workers/drain", json={"url": worker}, headers=admin)
+    assert drained.status_code == 200
+    assert httpx.get(second + "/v1/workers").json()["workers"][0]["state"] != "healthy"
+    refused = httpx.post(second + CHAT, json=BODY, timeout=30)
+    assert refused.status_code == 503
+    undrained = httpx.post(second + "/v1/workers/undrain", json={"url": worker}, headers=admin)
+    assert undrained.status_code == 200
+    wait_until(lambda: all_healthy(first), 10, "the worker healthy again in the other process")
+    assert httpx.post(first + CHAT, json=BODY, timeout=30).status_code == 200
+
+
+def test_a_change_a_sibling_refuses_is_reported(sibling_pair: list[str], tmp_path: Path) -> None:
+    first, second = sibling_pair
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    wait_until(lambda: all_healthy(first) and all_healthy(second), 10, "workers healthy")
+    worker = httpx.get(first + "/v1/workers").json()["workers"][0]["url"]
+    # Removed from the second process alone (over its sibling socket, so not passed on), the
+    # worker is unknown there when the first passes its drain on.
+    transport = httpx.HTTPTransport(uds=str(Siblings(1, 2, tmp_path).own_socket))
+    with httpx.Client(transport=transport, base_url="http://sibling") as sibling:
+        removed = sibling.request("DELETE", "/v1/workers", json={"url": worker}, headers=admin)
+    assert removed.status_code == 200
+    assert httpx.get(first + "/v1/workers").json()["workers"][0]["url"] == worker
+    drained = httpx.post(first + "/v1/workers/drain", json={"url": worker}, headers=admin)
+    assert drained.status_code == 500
+    assert "1 of the gateway's other 1 processes" in drained.json()["error"]["message"]
+
+
+def all_healthy(url: str) -> bool:
+    workers = httpx.get(url + "/v1/workers").json()["workers"]
+    return bool(workers) and all(worker["state"] == "healthy" for worker in workers)
+
+
+def test_serve_with_processes_shares_the_port_restarts_a_dead_process_and_stops_on_sigterm(
+    start_sim: StartSim, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`run_processes` as `serve --processes 2` runs it, in this (the main) thread, where it
+    takes SIGTERM; the checks run beside it and end by sending that SIGTERM."""
+    worker = start_sim(model_name=MODEL)
+    port = free_port()
+    settings = GatewaySettings(
+        workers=[worker], port=port, processes=2, health_interval_s=0.2, log_format="json"
+    )
+    url = f"http://127.0.0.1:{port}"
+    found: dict[str, object] = {}
+
+    def check() -> None:
+        try:
+            wait_until(lambda: scraped_processes(url) == 2, 90, "two gateway processes")
+            for _ in range(60):  # a new connection each: the kernel spreads them
+                assert httpx.post(url + CHAT, json=BODY, timeout=30).status_code == 200
+            found["total"] = requests_total(url)
+            children = multiprocessing.active_children()
+            found["children"] = len(children)
+            os.kill(children[0].pid or 0, signal.SIGKILL)
+            wait_until(
+                lambda: (
+                    children[0].pid not in [c.pid for c in multiprocessing.active_children()]
+                    and len(multiprocessing.active_children()) == 2
+                ),
+                30,
+                "a new process in place of the killed one",
+            )
+            wait_until(lambda: scraped_processes(url) == 2, 90, "both processes answering")
+            found["after_restart"] = [
+                httpx.post(url + CHAT, json=BODY, timeout=30).status_code for _ in range(10)
+            ]
+        except BaseException as error:  # reported by the test's main thread
+            found["error"] = error
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    assert run_processes(settings) == 0
+    checker.join()
+    if "error" in found:
+        raise AssertionError(f"check failed: {found['error']!r}")
+    assert found["total"] == 60.0
+    assert found["children"] == 2
+    assert found["after_restart"] == [200] * 10
+    assert multiprocessing.active_children() == []
+    logged = capfd.readouterr()
+    served = {
+        record["process"]
+        for line in (logged.out + logged.err).splitlines()
+        if line.startswith("{") and (record := orjson.loads(line)).get("event") == "request"
+    }
+    assert served == {0, 1}
+    assert "gateway_process_died" in logged.out + logged.err
+
+
+def scraped_processes(url: str) -> float:
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "mineru_gateway_processes":
+            return family.samples[0].value
+    return 0.0
