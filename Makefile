@@ -8,7 +8,8 @@ TINY_MODEL ?= $(CACHE)/tiny-qwen2
 SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench \
+.PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
+	bench-thirdparty \
 	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router clean
 
@@ -105,6 +106,25 @@ bench-routing-vllm: install small-model
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 		$(BIN)/python -m benchmarks.routing --engine vllm --vllm-model $(SMALL_MODEL) \
 		--vllm-capacity 20 --out benchmarks/results/routing_vllm.json
+
+## The seed deployment's benchmark in shape with vLLM's own `vllm bench serve` (512-token prompts,
+## 1024-token answers, 1-32 clients): the gateway against vLLM's DP balancer (emulated) over 4
+## simulated 910B workers, then a check on real vLLM on CPU (about 15 minutes).
+## Results: benchmarks/results/seed.{json,md,png}.
+bench-seed: install vllm
+	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
+		$(BIN)/python -m benchmarks.seed --out benchmarks/results/seed.json
+
+GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1
+
+## guidellm 0.8.1, unchanged, against the gateway over 2 simulated workers (about 2 minutes):
+## benchmarks/results/thirdparty.{json,md}. Its virtualenv can build the tiny tokenizer itself.
+bench-thirdparty: install
+	MINERU_GUIDELLM_VENV=$(GUIDELLM_VENV) scripts/install-guidellm.sh
+	test -f $(TINY_MODEL)/tokenizer.json || \
+		$(GUIDELLM_VENV)/bin/python scripts/build_tiny_model.py --out $(TINY_MODEL)
+	MINERU_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm MINERU_TINY_MODEL=$(TINY_MODEL) \
+		$(BIN)/python -m benchmarks.thirdparty --out benchmarks/results/thirdparty.json
 
 ## Two gateway replicas, each sent half the traffic, against one gateway sent all of it, on the
 ## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).

@@ -572,17 +572,9 @@ class SuiteResults:
         print(f"resuming with {len(self.bench.results)} runs from {self.partial}")
 
     def document(self) -> dict[str, Any]:
+        command = "python -m benchmarks.routing " + " ".join(self.args.argv)
         return {
-            "command": "python -m benchmarks.routing " + " ".join(self.args.argv),
-            "git_commit": self.commit_at_start,
-            "git_commit_at_end": git_commit(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
-            "wall_time_s": round(time.time() - self.started, 1),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-            },
+            **run_header(command, self.commit_at_start, self.started),
             "settings": self.settings(),
             "runs": [asdict(r) for r in self.bench.results],
         }
@@ -624,3 +616,19 @@ class SuiteResults:
                 report.plots(final, out.parent, out.stem)
         print(markdown)
         print(f"wall time {final['wall_time_s'] / 60:.1f} min; results in {out}")
+
+
+def run_header(command: str, commit_at_start: str, started: float) -> dict[str, Any]:
+    """What every result document opens with: how it was made, from which commit, when, where."""
+    return {
+        "command": command,
+        "git_commit": commit_at_start,
+        "git_commit_at_end": git_commit(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_time_s": round(time.time() - started, 1),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+    }

@@ -65,20 +65,22 @@ async def test_a_worker_slow_to_answer_its_probe_stays_in_routing_until_three_in
 ) -> None:
     script, url = scripted
     client = UpstreamClient(Timeouts(1, 1, 1))
-    registry = registry_of(url, health_timeout_s=0.2, client=client)
+    # A prompt probe takes milliseconds; 0.5 s leaves room for a loaded machine (at 0.2 s the
+    # first, prompt probe was once late on CI) and the slow ones answer a whole second late.
+    registry = registry_of(url, health_timeout_s=0.5, client=client)
     await client.start()
     try:
         worker = registry.workers[0]
         await registry.check(worker)
         assert worker.healthy
-        script.health_delay_s = 0.5  # busy: /health answers after the probe gave up
+        script.health_delay_s = 1.0  # busy: /health answers after the probe gave up
         await registry.check(worker)
         await registry.check(worker)
         assert worker.healthy, "two slow probes are load, not a dead worker"
-        assert "took longer than 0.2 s" in (worker.last_error or "")
+        assert "took longer than 0.5 s" in (worker.last_error or "")
         script.health_delay_s = 0.0
         await registry.check(worker)  # a good probe starts the count again
-        script.health_delay_s = 0.5
+        script.health_delay_s = 1.0
         for _ in range(2):
             await registry.check(worker)
         assert worker.healthy
