@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
-	bench-thirdparty \
+	bench-thirdparty bench-memory \
 	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router clean
 
@@ -114,6 +114,11 @@ bench-routing-vllm: install small-model
 bench-seed: install vllm
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 		$(BIN)/python -m benchmarks.seed --out benchmarks/results/seed.json
+
+## The gateway's RSS while it holds 2,000 concurrent streams, and over 100,000 requests (about
+## 5 minutes): benchmarks/results/memory.{json,md}.
+bench-memory: install
+	$(BIN)/python -m benchmarks.memory --out benchmarks/results/memory.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1
 

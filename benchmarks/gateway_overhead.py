@@ -79,7 +79,7 @@ def process_cpu_seconds(pid: int) -> float:
     """CPU seconds of `pid` and of its live children (`serve --processes N` runs in N)."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
-    for entry in [f"/proc/{pid}", *_children(pid)]:
+    for entry in [f"/proc/{pid}", *children_of(pid)]:
         try:
             fields = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -88,7 +88,7 @@ def process_cpu_seconds(pid: int) -> float:
     return total / ticks
 
 
-def _children(pid: int) -> list[str]:
+def children_of(pid: int) -> list[str]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children = Path(task, "children")
