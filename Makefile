@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
-	bench-thirdparty bench-memory \
+	bench-thirdparty bench-memory bench-small-requests \
 	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router clean
 
@@ -119,6 +119,15 @@ bench-seed: install vllm
 ## 5 minutes): benchmarks/results/memory.{json,md}.
 bench-memory: install
 	$(BIN)/python -m benchmarks.memory --out benchmarks/results/memory.json
+
+## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
+## processes), vllm-router, nginx and a bare Python relay (about 3 minutes; Debian's nginx and wrk).
+## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
+bench-small-requests: install vllm-router
+	@command -v nginx >/dev/null && command -v wrk >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
+	$(BIN)/python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1
 

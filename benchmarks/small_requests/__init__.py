@@ -1,0 +1,277 @@
+"""What a small non-streaming request costs a proxy (issue 16): the gateway, vllm-router, nginx
+and a bare Python relay, each in front of the same two instant upstreams, under the same wrk load;
+per proxy requests/s, latency and the CPU its process tree spent per request.
+
+The pure parts live here (wrk's Lua script and the parsing of its output, nginx's configuration,
+the per-proxy summary against vllm-router, py-spy's collapsed stacks, the Markdown); the processes
+are started in `__main__`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "SMALL_REQUESTS_RESULT "
+REFERENCE = "vllm-router"
+CHAT = "/v1/chat/completions"
+
+# wrk's `done` hook prints the exact figures (microseconds) as one JSON line after its report.
+_DONE = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '%s{"requests":%.0f,"duration_us":%.0f,"p50_us":%.0f,"p99_us":%.0f,' ..
+    '"connect":%.0f,"read":%.0f,"write":%.0f,"status":%.0f,"timeout":%.0f}\\n',
+    "MARK", summary.requests, summary.duration, latency:percentile(50),
+    latency:percentile(99), e.connect, e.read, e.write, e.status, e.timeout))
+end
+"""
+
+
+def wrk_script(body: bytes) -> str:
+    """The Lua script wrk runs: every request the same POST of `body`."""
+    text = body.decode()
+    if "]==]" in text:
+        raise ValueError("body would end the Lua long string")
+    return (
+        'wrk.method = "POST"\n'
+        f"wrk.body = [==[{text}]==]\n"
+        'wrk.headers["Content-Type"] = "application/json"\n' + _DONE.replace("MARK", RESULT_MARK)
+    )
+
+
+def chat_body(model: str, max_tokens: int = 8) -> bytes:
+    message = {"role": "user", "content": "Benchmark.\nText Recognition:"}
+    request = {"model": model, "messages": [message], "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps(request, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    duration_s: float
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: int  # socket errors, timeouts and non-2xx/3xx answers
+
+
+def parse_wrk(output: str) -> WrkResult:
+    """The figures of one wrk run, from the line the Lua `done` hook printed."""
+    for line in output.splitlines():
+        if line.startswith(RESULT_MARK):
+            data = json.loads(line[len(RESULT_MARK) :])
+            break
+    else:
+        raise ValueError("no result line in wrk's output (was the Lua script used?)")
+    duration_s = data["duration_us"] / 1e6
+    errors = sum(data[key] for key in ("connect", "read", "write", "status", "timeout"))
+    return WrkResult(
+        requests=int(data["requests"]),
+        duration_s=duration_s,
+        requests_per_s=data["requests"] / duration_s if duration_s > 0 else 0.0,
+        p50_ms=data["p50_us"] / 1000,
+        p99_ms=data["p99_us"] / 1000,
+        errors=int(errors),
+    )
+
+
+def nginx_config(port: int, upstreams: Sequence[str], directory: Path, as_root: bool) -> str:
+    """nginx as a plain reverse proxy: one worker, keep-alive to both upstreams, no access log
+    (the gateway at `--log-level warning` writes none either), everything in `directory`."""
+    servers = "".join(f"    server {url.removeprefix('http://')};\n" for url in upstreams)
+    temp = "".join(
+        f"  {kind}_temp_path {directory / kind};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return (
+        ("user root;\n" if as_root else "")
+        + "daemon off;\nworker_processes 1;\n"
+        + f"pid {directory / 'nginx.pid'};\nerror_log {directory / 'error.log'} warn;\n"
+        + "events { worker_connections 4096; }\n"
+        + "http {\n  access_log off;\n"
+        + temp
+        + f"  upstream workers {{\n{servers}    keepalive 128;\n  }}\n"
+        + f"  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n"
+        + "      proxy_pass http://workers;\n      proxy_http_version 1.1;\n"
+        + '      proxy_set_header Connection "";\n    }\n  }\n}\n'
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    """One proxy under one wrk run."""
+
+    proxy: str
+    round: int
+    requests: int
+    duration_s: float
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    cpu_s: float  # the proxy's process tree, during the wrk run
+    upstreams_cpu_s: float
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        return self.cpu_s / self.requests * 1e6 if self.requests else float("nan")
+
+    @property
+    def requests_per_cpu_s(self) -> float:
+        return self.requests / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "cpu_us_per_request": self.cpu_us_per_request,
+            "requests_per_cpu_s": self.requests_per_cpu_s,
+        }
+
+
+def summarize(runs: Iterable[Run], reference: str = REFERENCE) -> list[dict[str, Any]]:
+    """Per proxy, in order of first appearance: the median of its runs for each figure, and
+    requests/s and requests per CPU-second against `reference`'s medians (None without it)."""
+    grouped: dict[str, list[Run]] = {}
+    for run in runs:
+        grouped.setdefault(run.proxy, []).append(run)
+    rows = [_median_row(proxy, group) for proxy, group in grouped.items()]
+    ref = next((row for row in rows if row["proxy"] == reference), None)
+    for row in rows:
+        row["requests_per_s_vs_ref"] = _ratio(row["requests_per_s"], ref, "requests_per_s")
+        row["requests_per_cpu_s_vs_ref"] = _ratio(
+            row["requests_per_cpu_s"], ref, "requests_per_cpu_s"
+        )
+        row["cpu_per_request_vs_ref"] = _ratio(row["cpu_us_per_request"], ref, "cpu_us_per_request")
+    return rows
+
+
+def _median_row(proxy: str, group: Sequence[Run]) -> dict[str, Any]:
+    def median(name: str) -> float:
+        return statistics.median(getattr(run, name) for run in group)
+
+    return {
+        "proxy": proxy,
+        "runs": len(group),
+        "requests_per_s": median("requests_per_s"),
+        "p50_ms": median("p50_ms"),
+        "p99_ms": median("p99_ms"),
+        "cpu_cores": statistics.median(run.cpu_s / run.duration_s for run in group),
+        "cpu_us_per_request": median("cpu_us_per_request"),
+        "requests_per_cpu_s": median("requests_per_cpu_s"),
+        "errors": sum(run.errors for run in group),
+    }
+
+
+def _ratio(value: float, ref: Mapping[str, Any] | None, key: str) -> float | None:
+    if ref is None or not ref[key]:
+        return None
+    return float(value / ref[key])
+
+
+# -- py-spy ----------------------------------------------------------------------------------
+
+
+EVENT_LOOP_FRAME = "Runner.run (asyncio/runners.py)"
+EVENT_LOOP = "(event loop: uvloop's own C code)"
+_LINE = re.compile(r":\d+\)$")
+
+
+def _function(frame: str) -> str:
+    """`f (file.py:12)` -> `f (file.py)`: a function's lines counted together."""
+    return _LINE.sub(")", frame)
+
+
+def top_frames(collapsed: str, limit: int = 15) -> dict[str, list[tuple[str, float]]]:
+    """py-spy's `--format raw` (collapsed stacks, `frame;frame;frame count`): the functions with
+    the largest share of samples, by self time (on top of the stack) and by total time (anywhere
+    in it, once per sample). Frames up to the event loop (`Runner.run`: start-up, CLI, server)
+    and py-spy's `process N:...` roots are left out: they are under every sample. The loop
+    itself is C (uvloop), so samples with nothing above it are its own work: I/O, scheduling."""
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    samples = 0
+    for line in collapsed.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_function(f) for f in stack.split(";") if not f.startswith("process ")]
+        loop = max((i for i, f in enumerate(frames) if f == EVENT_LOOP_FRAME), default=-1)
+        frames = frames[loop + 1 :] or [EVENT_LOOP]
+        samples += count
+        own[frames[-1]] += count
+        for frame in set(frames):
+            total[frame] += count
+    if not samples:
+        return {"self": [], "total": []}
+    return {
+        "self": [(frame, n / samples) for frame, n in own.most_common(limit)],
+        "total": [(frame, n / samples) for frame, n in total.most_common(limit)],
+    }
+
+
+# -- Markdown --------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
+    if value is None or value != value:  # None or NaN
+        return "-"
+    return f"{value:,.{digits}f}{suffix}"
+
+
+def table(rows: Sequence[Mapping[str, Any]]) -> str:
+    lines = [
+        "| proxy | requests/s | p50 ms | p99 ms | proxy cores | CPU per request | "
+        f"requests per CPU-second | req/s vs {REFERENCE} | req per CPU-s vs {REFERENCE} | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['proxy']} | {_fmt(row['requests_per_s'])} | {_fmt(row['p50_ms'], 2)} | "
+            f"{_fmt(row['p99_ms'], 2)} | {_fmt(row['cpu_cores'], 2)} | "
+            f"{_fmt(row['cpu_us_per_request'], 0, ' us')} | {_fmt(row['requests_per_cpu_s'])} | "
+            f"{_fmt(row['requests_per_s_vs_ref'], 2, 'x')} | "
+            f"{_fmt(row['requests_per_cpu_s_vs_ref'], 2, 'x')} | {row['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def profile_section(profile: Mapping[str, Any]) -> str:
+    lines = [f"## Where the gateway's CPU goes (py-spy, {profile['command']})", ""]
+    for kind in ("self", "total"):
+        lines += [f"Top frames by {kind} time:", "", "| share | frame |", "|---|---|"]
+        lines += [f"| {share:.1%} | `{frame}` |" for frame, share in profile["top"][kind]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown(document: Mapping[str, Any]) -> str:
+    settings = document["settings"]
+    parts = [
+        "# Small non-streaming requests: what a proxy costs per request",
+        "",
+        f"`{document['command']}` ({document['when']}, {document['machine']['cpus']} CPUs, "
+        f"commit {document['git_commit']}).",
+        "",
+        f"wrk `-t{settings['threads']} -c{settings['connections']} -d{settings['duration_s']:g}s`"
+        f" after a {settings['warmup_s']:g} s warm-up, POST {CHAT} ({settings['body_bytes']} "
+        "bytes), two raw-asyncio upstreams answering at once; "
+        f"{settings['rounds']} rounds alternating proxies, medians. CPU is the proxy's process "
+        "tree (/proc) during the measured run.",
+        "",
+        table(document["summary"]),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in document["versions"].items()) + ".",
+        "",
+    ]
+    parts += [f"- {note}" for note in document.get("notes", [])]
+    if document.get("profile"):
+        parts += ["", profile_section(document["profile"])]
+    return "\n".join(parts).rstrip() + "\n"

@@ -1,0 +1,343 @@
+"""Starts two instant upstreams and every proxy in front of them, then runs wrk against each proxy
+in turn (rounds alternate proxies), reading each proxy's CPU from /proc around its run; optionally
+profiles the gateway with py-spy under the same load. Every process is stopped on exit.
+
+    python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
+
+`--candidate NAME=DIR` adds the proxy `gateway@NAME`: the gateway run from DIR/src (a scratch
+worktree with a change), so that a change is measured against the unchanged gateway in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.routing import fleet, suite
+from benchmarks.routing.runs import git_commit, stop_on_sigterm
+
+from mineru_gateway.testing import free_port, wait_http_ok
+
+from . import (
+    CHAT,
+    Run,
+    chat_body,
+    markdown,
+    nginx_config,
+    parse_wrk,
+    summarize,
+    top_frames,
+    wrk_script,
+)
+
+PROXIES = ("gateway", "gateway-processes", "vllm-router", "nginx", "dp-balancer")
+VLLM_ROUTER_VENV = Path.home() / ".cache/mineru-gateway/vllm-router-0.1.17"
+
+
+@dataclass
+class Proxy:
+    name: str
+    url: str
+    handle: subprocess.Popen[bytes]
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and all its live descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+    return total / ticks
+
+
+def gateway_argv(port: int, upstreams: Sequence[str], extra: Sequence[str]) -> list[str]:
+    return [
+        sys.executable,
+        *("-m", "mineru_gateway", "serve", "--port", str(port)),
+        *("--workers", ",".join(upstreams), "--log-level", "warning", *extra),
+    ]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, procs: fleet.Processes) -> None:
+        self.args = args
+        self.procs = procs
+        self.upstreams: list[str] = []
+        self.upstream_pids: list[int] = []
+        self.proxies: dict[str, Proxy] = {}
+
+    def start_upstreams(self) -> None:
+        for index in range(2):
+            port = free_port()
+            argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
+            handle = self.procs.spawn(f"upstream-{index}", [*argv, "--model", self.args.model])
+            self.upstreams.append(f"http://127.0.0.1:{port}")
+            self.upstream_pids.append(handle.pid)
+        for url in self.upstreams:
+            wait_http_ok(url + "/health", fleet.READY_TIMEOUT_S)
+
+    def start(self, name: str) -> None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv, env, ready = self._command(name, port)
+        handle = self.procs.spawn(name.replace("@", "-"), argv, env)
+        log = self.procs.log_dir / f"{name.replace('@', '-')}.log"
+        wait_http_ok(url + ready, fleet.READY_TIMEOUT_S, handle, log)
+        self.proxies[name] = Proxy(name, url, handle)
+
+    def _command(self, name: str, port: int) -> tuple[list[str], dict[str, str], str]:
+        up = self.upstreams
+        if name == "gateway":
+            return gateway_argv(port, up, self.args.gateway_arg), {}, "/ready"
+        if name == "gateway-processes":
+            return (
+                gateway_argv(port, up, ["--processes", "2", *self.args.gateway_arg]),
+                {},
+                "/ready",
+            )
+        if name.startswith("gateway@"):
+            src = self.args.candidates[name.removeprefix("gateway@")]
+            env = {"PYTHONPATH": f"{src}/src:{Path.cwd()}"}
+            return gateway_argv(port, up, self.args.gateway_arg), env, "/ready"
+        if name == "vllm-router":
+            settings = fleet.RouterSettings(vllm_router_bin=fleet.find_vllm_router())
+            return fleet.ROUTERS["vllm_router_rr"].argv(port, up, settings), {}, "/health"
+        if name == "dp-balancer":
+            return fleet.ROUTERS["vllm_dp"].argv(port, up, fleet.RouterSettings()), {}, "/ready"
+        if name == "nginx":
+            directory = self.procs.log_dir / "nginx"
+            directory.mkdir(exist_ok=True)
+            config = directory / "nginx.conf"
+            config.write_text(nginx_config(port, up, directory, os.geteuid() == 0))
+            return ["nginx", "-c", str(config), "-p", str(directory)], {}, "/health"
+        raise ValueError(name)
+
+    def wrk(self, urls: Sequence[str], seconds: float) -> list[str]:
+        """One wrk per url, all at once; their outputs in the same order."""
+        script = self.procs.log_dir / "post.lua"
+        if not script.exists():
+            script.write_text(wrk_script(chat_body(self.args.model)))
+        started = [
+            subprocess.Popen(
+                [
+                    "wrk",
+                    *(f"-t{self.args.threads}", f"-c{self.args.connections}", f"-d{seconds:g}s"),
+                    *("--timeout", "5s", "-s", str(script), url + CHAT),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for url in urls
+        ]
+        return [proc.communicate(timeout=seconds + 30)[0] for proc in started]
+
+    def measure(self, names: Sequence[str], round_: int) -> list[Run]:
+        """`names` under load at the same time (usually one): the same neighbours for each."""
+        proxies = [self.proxies[name] for name in names]
+        urls = [proxy.url for proxy in proxies]
+        self.wrk(urls, self.args.warmup)
+        before = [tree_cpu_seconds(proxy.handle.pid) for proxy in proxies]
+        up_before = sum(tree_cpu_seconds(pid) for pid in self.upstream_pids)
+        outputs = self.wrk(urls, self.args.duration)
+        cpu = [tree_cpu_seconds(p.handle.pid) - b for p, b in zip(proxies, before, strict=True)]
+        up_cpu = sum(tree_cpu_seconds(pid) for pid in self.upstream_pids) - up_before
+        runs = []
+        for name, output, cpu_s in zip(names, outputs, cpu, strict=True):
+            result = parse_wrk(output)
+            run = Run(
+                proxy=name,
+                round=round_,
+                requests=result.requests,
+                duration_s=result.duration_s,
+                requests_per_s=result.requests_per_s,
+                p50_ms=result.p50_ms,
+                p99_ms=result.p99_ms,
+                errors=result.errors,
+                cpu_s=cpu_s,
+                upstreams_cpu_s=up_cpu,
+            )
+            print(
+                f"round {round_} {name:22s} {run.requests_per_s:9.0f} req/s  "
+                f"p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:6.2f} ms  "
+                f"{run.cpu_us_per_request:6.0f} us CPU/request  "
+                f"{run.requests_per_cpu_s:7.0f} req/CPU-s  errors {run.errors}",
+                flush=True,
+            )
+            runs.append(run)
+        return runs
+
+    def profile(self, name: str) -> dict[str, Any]:
+        """py-spy on `name`'s process tree while wrk sends the same load (not a measured run:
+        sampling slows the process)."""
+        proxy = self.proxies[name]
+        raw = self.procs.log_dir / "profile.txt"
+        seconds = self.args.duration
+        argv = [
+            self.args.py_spy,
+            *("record", "--pid", str(proxy.handle.pid), "--rate", "250"),
+            *("--duration", f"{seconds:g}", "--format", "raw", "--output", str(raw)),
+        ]
+        spy = self.procs.spawn("py-spy", argv)
+        time.sleep(1.0)
+        self.wrk([proxy.url], seconds + 1)
+        spy.wait(timeout=60)
+        command = shlex.join(["py-spy", *argv[1:]])
+        return {"proxy": name, "command": command, "top": top_frames(raw.read_text())}
+
+
+def versions(args: argparse.Namespace) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for package in ("mineru-gateway", "uvicorn", "uvloop", "httptools", "fastapi", "aiohttp"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[package] = importlib.metadata.version(package)
+    found["vllm-router"] = _vllm_router_version()
+    found["nginx"] = _first_line(["nginx", "-v"]).rsplit("/", 1)[-1]
+    found["wrk"] = _first_line(["wrk", "-v"]).split(" ")[1]
+    found["python"] = sys.version.split()[0]
+    return found
+
+
+def _vllm_router_version() -> str:
+    for info in VLLM_ROUTER_VENV.glob("lib/python*/site-packages/vllm_router-*.dist-info"):
+        return info.name.removeprefix("vllm_router-").removesuffix(".dist-info")
+    return "unknown"
+
+
+def _first_line(argv: list[str]) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    return (done.stdout + done.stderr).strip().splitlines()[0]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.small_requests", description=__doc__.split("\n\n")[0]
+    )
+    split: Callable[[str], list[str]] = lambda text: [x for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--proxies", type=split, default=list(PROXIES))
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` args")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="load the gateway and each candidate at the same time (needs --candidate)",
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default=fleet.MODEL)
+    parser.add_argument("--profile", action="store_true", help="py-spy the gateway afterwards")
+    parser.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
+    parser.add_argument("--out", type=Path, default=suite.RESULTS / "small_requests.json")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.candidates = dict(item.split("=", 1) for item in args.candidate)
+    args.proxies += [f"gateway@{name}" for name in args.candidates]
+    return args
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    return [
+        f"{os.cpu_count()} CPUs shared by wrk, both upstreams and the proxy: a proxy that cannot "
+        "get a full core shows it in requests/s, not in CPU per request (the figure compared).",
+        "gateway: `serve --workers U1,U2 --log-level warning`; gateway-processes: the same with "
+        "`--processes 2`; vllm-router: `--policy round_robin --disable-retries`; nginx: one worker "
+        "process, keepalive 128 to the upstreams, no access log; dp-balancer: "
+        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp).",
+        *(f"gateway@{name}: the gateway from {src}/src" for name, src in args.candidates.items()),
+    ]
+
+
+def rotated(names: Sequence[str], round_: int) -> list[str]:
+    """Round r starts at the r-th proxy: none always runs first, or right after the same one."""
+    shift = round_ % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+def groups(args: argparse.Namespace, round_: int) -> list[list[str]]:
+    """What runs at once in round `round_`: each proxy alone, or with `--together` the unchanged
+    gateway beside each candidate in turn (a paired comparison: whatever else loads the machine
+    loads both alike)."""
+    if not args.together:
+        return [[name] for name in rotated(args.proxies, round_)]
+    candidates = [name for name in args.proxies if name.startswith("gateway@")]
+    return [["gateway", name] for name in rotated(candidates, round_)]
+
+
+def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
+    bench.start_upstreams()
+    for name in args.proxies:
+        bench.start(name)
+    time.sleep(2.5)  # every proxy sees both upstreams healthy
+    runs = [
+        run
+        for r in range(args.rounds)
+        for group in groups(args, r)
+        for run in bench.measure(group, r)
+    ]
+    body = chat_body(args.model)
+    document = {
+        "settings": {
+            "threads": args.threads,
+            "connections": args.connections,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "rounds": args.rounds,
+            "model": args.model,
+            "body_bytes": len(body),
+            "proxies": args.proxies,
+            "candidates": args.candidates,
+            "together": args.together,
+        },
+        "versions": versions(args),
+        "summary": summarize(runs),
+        "runs": [r.as_dict() for r in runs],
+        "notes": notes(args),
+    }
+    if args.profile:
+        document["profile"] = bench.profile("gateway")
+    return document
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop_on_sigterm()
+    started, commit = time.time(), git_commit()
+    procs = fleet.Processes(Path(tempfile.mkdtemp(prefix="small-requests-bench-")))
+    print(f"logs in {procs.log_dir}", flush=True)
+    try:
+        measured = run(args, Bench(args, procs))
+    except KeyboardInterrupt:
+        print("interrupted: every process stopped, nothing written", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+    command = "python -m benchmarks.small_requests " + shlex.join(args.argv)
+    document = suite.run_header(command, commit, started) | measured
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(document))
+    print(f"results in {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A vLLM worker reduced to its fastest possible answers: a raw asyncio protocol (uvloop,
+httptools) that answers every `POST /v1/chat/completions` at once with the same small
+chat.completion, and `GET /health`, `/v1/models` and `/metrics` from the recorded vLLM fixtures,
+so that a proxy's health checks and load scrapes pass. Keep-alive, no logging, no JSON parsing:
+whatever CPU a benchmark sees on the proxy is the proxy's own.
+
+    python -m benchmarks.small_requests.upstream --port 32001 --model tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import httptools
+import uvloop
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "vllm"
+FIXTURE_MODEL = "tiny"
+
+
+def response(status: bytes, content_type: bytes, body: bytes) -> bytes:
+    head = b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, content_type, len(body)) + body
+
+
+def answers(model: str) -> dict[tuple[bytes, bytes], bytes]:
+    """Complete responses by (method, path), the fixtures' model renamed to `model`."""
+    json_type, text_type = b"application/json", b"text/plain; version=0.0.4; charset=utf-8"
+    quoted = f'"{model}"'.encode()
+
+    def fixture(name: str) -> bytes:
+        return (FIXTURES / name).read_bytes().strip().replace(b'"tiny"', quoted)
+
+    return {
+        (b"POST", b"/v1/chat/completions"): response(
+            b"200 OK", json_type, fixture("chat_nonstream.json")
+        ),
+        (b"GET", b"/health"): response(b"200 OK", text_type, b""),
+        (b"GET", b"/v1/models"): response(b"200 OK", json_type, fixture("models.json")),
+        (b"GET", b"/metrics"): response(b"200 OK", text_type, fixture("metrics.txt") + b"\n"),
+    }
+
+
+NOT_FOUND = response(b"404 Not Found", b"application/json", b'{"detail":"Not Found"}')
+
+
+class Upstream(asyncio.Protocol):
+    """One keep-alive connection: each complete request gets its canned answer."""
+
+    def __init__(self, table: dict[tuple[bytes, bytes], bytes]) -> None:
+        self.table = table
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.WriteTransport | None = None
+        self.path = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TCP transport is not an asyncio.Transport subclass; it does write().
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.path += url
+
+    def on_message_complete(self) -> None:
+        method, path = self.parser.get_method(), self.path.split(b"?", 1)[0]
+        self.path = b""
+        if self.transport is not None:
+            self.transport.write(self.table.get((method, path), NOT_FOUND))
+
+
+async def serve(port: int, model: str) -> None:
+    table = answers(model)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Upstream(table), "127.0.0.1", port, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default=FIXTURE_MODEL)
+    args = parser.parse_args(argv)
+    uvloop.run(serve(args.port, args.model))
+
+
+if __name__ == "__main__":
+    main()

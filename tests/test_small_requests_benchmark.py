@@ -1,0 +1,168 @@
+"""The small-request benchmark's pure parts: wrk's script and output, nginx's configuration, the
+summary against vllm-router, py-spy's stacks and the Markdown (benchmarks/small_requests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+from benchmarks.small_requests import (
+    RESULT_MARK,
+    Run,
+    chat_body,
+    markdown,
+    nginx_config,
+    parse_wrk,
+    summarize,
+    top_frames,
+    wrk_script,
+)
+from benchmarks.small_requests.__main__ import groups, rotated
+from benchmarks.small_requests.upstream import answers
+
+FIXTURES = Path(__file__).parent / "fixtures" / "small_requests"
+
+
+def make_run(proxy: str, rps: float, cpu_s: float, round_: int = 0) -> Run:
+    requests = int(rps * 8)
+    return Run(proxy, round_, requests, 8.0, rps, 1.0, 4.0, 0, cpu_s, 0.5)
+
+
+def test_parse_wrk_reads_the_done_hook_line() -> None:
+    result = parse_wrk((FIXTURES / "wrk_output.txt").read_text())
+    assert result.requests == 102464
+    assert result.duration_s == pytest.approx(8.0005)
+    assert result.requests_per_s == pytest.approx(102464 / 8.0005)
+    assert (result.p50_ms, result.p99_ms) == (4.76, 9.72)
+    assert result.errors == 3
+
+
+def test_parse_wrk_without_the_hook_line_fails() -> None:
+    with pytest.raises(ValueError, match="no result line"):
+        parse_wrk("Requests/sec: 100\n")
+
+
+def test_wrk_script_posts_the_body_and_reports_with_the_mark() -> None:
+    body = chat_body("m")
+    script = wrk_script(body)
+    assert 'wrk.method = "POST"' in script
+    assert f"[==[{body.decode()}]==]" in script
+    assert RESULT_MARK in script
+    assert json.loads(body)["model"] == "m"
+
+
+def test_wrk_script_refuses_a_body_that_ends_the_long_string() -> None:
+    with pytest.raises(ValueError):
+        wrk_script(b'{"a":"]==]"}')
+
+
+def test_nginx_config_has_both_upstreams_keepalive_and_local_paths(tmp_path: Path) -> None:
+    text = nginx_config(8080, ["http://127.0.0.1:1", "http://127.0.0.1:2"], tmp_path, False)
+    assert "server 127.0.0.1:1;" in text and "server 127.0.0.1:2;" in text
+    assert "keepalive 128;" in text and 'proxy_set_header Connection "";' in text
+    assert "listen 127.0.0.1:8080;" in text and "daemon off;" in text
+    assert f"proxy_temp_path {tmp_path / 'proxy'};" in text
+    assert "user root;" not in text
+    assert text.count("{") == text.count("}")
+    assert nginx_config(8080, [], tmp_path, True).startswith("user root;\n")
+
+
+def test_run_derives_cpu_per_request() -> None:
+    run = make_run("gateway", 1000.0, 4.0)
+    assert run.cpu_us_per_request == pytest.approx(500.0)
+    assert run.requests_per_cpu_s == pytest.approx(2000.0)
+    assert math.isnan(Run("x", 0, 0, 8.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0).requests_per_cpu_s)
+
+
+def test_summarize_takes_medians_and_ratios_to_vllm_router() -> None:
+    runs = [
+        make_run("gateway", 1000.0, 4.0, 0),
+        make_run("vllm-router", 8000.0, 8.0, 0),
+        make_run("gateway", 1200.0, 4.0, 1),
+        make_run("vllm-router", 8000.0, 8.0, 1),
+    ]
+    gateway, router = summarize(runs)
+    assert gateway["proxy"] == "gateway" and gateway["runs"] == 2
+    assert gateway["requests_per_s"] == pytest.approx(1100.0)
+    assert gateway["requests_per_cpu_s"] == pytest.approx((2000 + 2400) / 2)
+    assert gateway["requests_per_cpu_s_vs_ref"] == pytest.approx(2200 / 8000)
+    assert gateway["cpu_per_request_vs_ref"] == pytest.approx(
+        ((500 + 1e6 / 2400) / 2) / 125, rel=1e-6
+    )
+    assert router["requests_per_s_vs_ref"] == pytest.approx(1.0)
+    assert gateway["cpu_cores"] == pytest.approx(0.5)
+
+
+def test_summarize_without_the_reference_has_no_ratios() -> None:
+    (row,) = summarize([make_run("nginx", 30000.0, 6.0)])
+    assert row["requests_per_s_vs_ref"] is None
+
+
+def test_top_frames_by_self_and_total_time() -> None:
+    top = top_frames((FIXTURES / "profile_raw.txt").read_text())
+    self_time = dict(top["self"])
+    total = dict(top["total"])
+    assert self_time["data_received (uvicorn/protocols/http/httptools_impl.py)"] == 0.5
+    assert self_time["(event loop: uvloop's own C code)"] == 0.1
+    assert total["__call__ (mineru_gateway/api/relay.py)"] == 0.4
+    assert total["post (mineru_gateway/workers/upstream.py)"] == 0.3
+    assert not any("runners.py" in f or f.startswith("process") for f, _ in top["total"])
+    assert top_frames("") == {"self": [], "total": []}
+
+
+def test_markdown_has_the_table_and_the_profile() -> None:
+    runs = [make_run("gateway", 1000.0, 4.0), make_run("vllm-router", 8000.0, 8.0)]
+    document = {
+        "command": "python -m benchmarks.small_requests",
+        "when": "2026-01-01T00:00:00Z",
+        "machine": {"cpus": 2},
+        "git_commit": "abc",
+        "settings": {
+            "threads": 1,
+            "connections": 64,
+            "duration_s": 8.0,
+            "warmup_s": 2.0,
+            "body_bytes": 120,
+            "rounds": 2,
+        },
+        "summary": summarize(runs),
+        "versions": {"nginx": "1.22.1"},
+        "notes": ["a note"],
+        "profile": {"command": "py-spy record", "top": {"self": [("f (a.py:1)", 0.25)]}},
+    }
+    document["profile"]["top"]["total"] = [("g (b.py:2)", 0.75)]
+    text = markdown(document)
+    assert "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 2,000 | 0.12x | 0.25x | 0 |" in text
+    assert "| 25.0% | `f (a.py:1)` |" in text and "| 75.0% | `g (b.py:2)` |" in text
+    assert "- a note" in text
+
+
+def test_upstream_answers_name_the_model_sent() -> None:
+    table = answers("opendatalab/x")
+    chat = table[b"POST", b"/v1/chat/completions"]
+    assert chat.startswith(b"HTTP/1.1 200 OK\r\n")
+    head, body = chat.split(b"\r\n\r\n", 1)
+    assert f"content-length: {len(body)}".encode() in head
+    assert json.loads(body)["model"] == "opendatalab/x"
+    models = table[b"GET", b"/v1/models"].split(b"\r\n\r\n", 1)[1]
+    assert json.loads(models)["data"][0]["id"] == "opendatalab/x"
+
+
+def test_rounds_rotate_the_order_of_proxies() -> None:
+    names = ["a", "b", "c"]
+    assert [rotated(names, r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_together_pairs_the_gateway_with_each_candidate() -> None:
+    args = argparse.Namespace(together=True, proxies=["gateway", "gateway@a", "gateway@b"])
+    assert groups(args, 1) == [["gateway", "gateway@b"], ["gateway", "gateway@a"]]
+    args.together = False
+    assert groups(args, 0) == [["gateway"], ["gateway@a"], ["gateway@b"]]
