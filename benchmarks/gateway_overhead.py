@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from mineru_gateway.testing import free_port, wait_http_ok
+from mineru_gateway.testing import free_port, tree_cpu_seconds, wait_http_ok
 
 CHAT = "/v1/chat/completions"
 PROXIES = ("gateway", "gateway-processes", "gateway-baseline", "bare-proxy", "naive-httpx")
@@ -73,28 +73,6 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds of `pid` and of its live children (`serve --processes N` runs in N)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in [f"/proc/{pid}", *children_of(pid)]:
-        try:
-            fields = Path(entry, "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
-def children_of(pid: int) -> list[str]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = Path(task, "children")
-        if children.exists():
-            found.extend(f"/proc/{child}" for child in children.read_text().split())
-    return found
 
 
 @dataclass
@@ -301,11 +279,11 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "gateway-baseline": fleet.baseline_pid,
             "gateway-processes": fleet.multi_pid,
         }.get(mode, fleet.gateway_pid)
-        cpu_before = process_cpu_seconds(proxy_pid)
+        cpu_before = tree_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
             targets, concurrency, body, args.warmup, args.duration
         )
-        cpu = process_cpu_seconds(proxy_pid) - cpu_before
+        cpu = tree_cpu_seconds(proxy_pid) - cpu_before
         result = summarise(mode, concurrency, samples, errors, window)
         if mode != "direct":
             result.gateway_cpu_s = cpu

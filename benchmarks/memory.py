@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from benchmarks.gateway_overhead import Fleet, children_of, closed_loop
+from benchmarks.gateway_overhead import Fleet, closed_loop
+
+from mineru_gateway.testing import process_tree
 
 MODEL = "opendatalab/MinerU2.5-2509-1.2B"
 
@@ -33,9 +35,9 @@ MODEL = "opendatalab/MinerU2.5-2509-1.2B"
 def rss_mb(pid: int) -> float:
     """Resident memory of `pid` and its live children, in MB."""
     total_kb = 0
-    for entry in [f"/proc/{pid}", *children_of(pid)]:
+    for member in process_tree(pid):
         try:
-            status = Path(entry, "status").read_text()
+            status = Path(f"/proc/{member}/status").read_text()
         except OSError:
             continue
         for line in status.splitlines():

@@ -5,6 +5,7 @@ The real-vLLM harness in the same module has tests/test_real_vllm_harness.py.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 from mineru_gateway.testing import (
     free_port_block,
     http_get,
+    process_tree,
+    tree_cpu_seconds,
     wait_http_ok,
     wait_until,
     wait_until_async,
@@ -100,3 +103,17 @@ def test_a_port_block_is_free_and_below_the_ephemeral_range() -> None:
     with ExitStack() as stack:
         for port in range(base, base + 4):
             stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+
+
+def test_a_process_tree_holds_the_children_and_their_cpu() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert process_tree(os.getpid())[0] == os.getpid()
+        assert child.pid in process_tree(os.getpid())
+        before = tree_cpu_seconds(os.getpid())
+        # This process mostly sleeps in the wait: the second of CPU is the busy child's.
+        wait_until(lambda: tree_cpu_seconds(os.getpid()) > before + 1.0, 20, "the child's CPU")
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in process_tree(os.getpid())

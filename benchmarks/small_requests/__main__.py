@@ -21,14 +21,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.routing import fleet, suite
 from benchmarks.routing.runs import git_commit, stop_on_sigterm
 
-from mineru_gateway.testing import free_port, wait_http_ok
+from mineru_gateway.testing import free_port, tree_cpu_seconds, wait_http_ok
 
 from . import (
     CHAT,
@@ -51,20 +51,6 @@ class Proxy:
     name: str
     url: str
     handle: subprocess.Popen[bytes]
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and all its live descendants."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending.extend(int(c) for c in (task / "children").read_text().split())
-    return total / ticks
 
 
 def gateway_argv(port: int, upstreams: Sequence[str], extra: Sequence[str]) -> list[str]:
@@ -161,19 +147,8 @@ class Bench:
         up_cpu = sum(tree_cpu_seconds(pid) for pid in self.upstream_pids) - up_before
         runs = []
         for name, output, cpu_s in zip(names, outputs, cpu, strict=True):
-            result = parse_wrk(output)
-            run = Run(
-                proxy=name,
-                round=round_,
-                requests=result.requests,
-                duration_s=result.duration_s,
-                requests_per_s=result.requests_per_s,
-                p50_ms=result.p50_ms,
-                p99_ms=result.p99_ms,
-                errors=result.errors,
-                cpu_s=cpu_s,
-                upstreams_cpu_s=up_cpu,
-            )
+            wrk = asdict(parse_wrk(output))
+            run = Run(proxy=name, round=round_, **wrk, cpu_s=cpu_s, upstreams_cpu_s=up_cpu)
             print(
                 f"round {round_} {name:22s} {run.requests_per_s:9.0f} req/s  "
                 f"p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:6.2f} ms  "

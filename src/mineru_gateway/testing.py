@@ -40,6 +40,29 @@ TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 # -- ports ----------------------------------------------------------------------------------------
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (from /proc; a process gone meanwhile is left out)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (`serve --processes N`)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
 def free_port() -> int:
     """A port the OS considers free on 127.0.0.1 (from the ephemeral range)."""
     with socket.socket() as sock:

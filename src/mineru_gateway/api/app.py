@@ -325,8 +325,13 @@ def create_app(
         app.router.routes.append(Route(path, relay, methods=["POST"]))
     _add_control_routes(app)
     _add_error_handlers(app)
-    gateway = GatewayApp(app, relays, request_limits(settings))
+    gateway = GatewayApp(app, relays, request_limits(settings))  # the lifespan's sibling view
     return gateway
+
+
+def _from_sibling(request: Request) -> bool:
+    """The request came over a sibling process's socket (siblings.py)."""
+    return bool(request.scope.get(SIBLING_SCOPE_KEY))
 
 
 async def render_metrics(context: GatewayContext, *, sibling: bool) -> bytes:
@@ -343,7 +348,7 @@ async def _workers_view(request: Request) -> dict[str, Any]:
     context = _context(request)
     view = _describe_workers(context)
     siblings = context.siblings
-    if siblings is None or request.scope.get(SIBLING_SCOPE_KEY):
+    if siblings is None or _from_sibling(request):
         return view
     headers = {"authorization": value} if (value := request.headers.get("authorization")) else {}
     answers = await asyncio.gather(
@@ -366,7 +371,7 @@ async def _workers_view(request: Request) -> dict[str, Any]:
 async def propagate(request: Request) -> None:
     """Repeats an operator's change, just applied here, on the other processes."""
     context = _context(request)
-    if context.siblings is None or request.scope.get(SIBLING_SCOPE_KEY):
+    if context.siblings is None or _from_sibling(request):
         return
     headers = {
         name: value
@@ -426,12 +431,12 @@ def _add_control_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
         context = _context(request)
-        if context.settings.metrics_port is not None and not request.scope.get(SIBLING_SCOPE_KEY):
+        sibling = _from_sibling(request)
+        if context.settings.metrics_port is not None and not sibling:
             raise UnknownPath(
                 "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
                 "not on this port"
             )
-        sibling = bool(request.scope.get(SIBLING_SCOPE_KEY))
         body = await render_metrics(context, sibling=sibling)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

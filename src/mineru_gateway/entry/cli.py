@@ -12,8 +12,6 @@ import pydantic
 import structlog
 
 from mineru_gateway import __version__
-from mineru_gateway.api.app import create_app
-from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.entry import server
 from mineru_gateway.entry.admin import __doc__ as ADMIN_DESCRIPTION
@@ -21,7 +19,7 @@ from mineru_gateway.entry.admin import add_admin_arguments, run_admin
 from mineru_gateway.entry.compose import add_compose_arguments, run_compose
 from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
 from mineru_gateway.entry.logs import configure_logging
-from mineru_gateway.entry.processes import run_processes
+from mineru_gateway.entry.processes import run_gateway, run_processes
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
 from mineru_gateway.telemetry import (
     DEFAULT_EXPORTER_PORT,
@@ -149,15 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     if settings.processes > 1:
         return run_processes(settings)
-    lifecycle = Lifecycle()
-    server.run(
-        create_app(settings, lifecycle),
-        settings.host,
-        settings.port,
-        settings.log_level,
-        graceful_timeout_s=settings.drain_timeout_s,
-        on_signal=lifecycle.start_draining,
-    )
+    run_gateway(settings)
     return 0
 
 

@@ -18,7 +18,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import structlog
@@ -50,25 +49,26 @@ def run_processes(settings: GatewaySettings) -> int:
     with tempfile.TemporaryDirectory(prefix="mineru-gateway-") as directory:
         os.chmod(directory, 0o700)
         context = multiprocessing.get_context("spawn")
-        children = {
-            index: _start(context, settings, Siblings(index, settings.processes, Path(directory)))
+        places = [
+            Siblings(index, settings.processes, Path(directory))
             for index in range(settings.processes)
-        }
+        ]
+        children = [_start(context, settings, place) for place in places]
         log.info("gateway_processes", processes=settings.processes, port=port)
         try:
             while not stopping.wait(0.2):
-                for index, child in list(children.items()):
+                for place, child in zip(places, children, strict=True):
                     if child.is_alive():
                         continue
-                    log.error("gateway_process_died", process=index, exitcode=child.exitcode)
-                    time.sleep(RESTART_DELAY_S)
-                    siblings = Siblings(index, settings.processes, Path(directory))
-                    children[index] = _start(context, settings, siblings)
+                    log.error("gateway_process_died", process=place.index, exitcode=child.exitcode)
+                    if stopping.wait(RESTART_DELAY_S):
+                        break
+                    children[place.index] = _start(context, settings, place)
         finally:
-            for child in children.values():
+            for child in children:
                 if child.is_alive() and child.pid is not None:
                     os.kill(child.pid, signal.SIGTERM)
-            for child in children.values():
+            for child in children:
                 child.join()
             reserved.close()
             for sig, handler in previous.items():
@@ -103,8 +103,16 @@ def _child(settings: GatewaySettings, siblings: Siblings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     structlog.contextvars.bind_contextvars(process=siblings.index)
     siblings.own_socket.unlink(missing_ok=True)  # left by a predecessor that was killed
+    run_gateway(settings, siblings, [reuse_port_socket(settings.host, settings.port)])
+
+
+def run_gateway(
+    settings: GatewaySettings,
+    siblings: Siblings | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """One gateway process until SIGTERM/SIGINT, which first stops it admitting requests."""
     lifecycle = Lifecycle()
-    listening: socket.socket = reuse_port_socket(settings.host, settings.port)
     server.run(
         create_app(settings, lifecycle, siblings=siblings),
         settings.host,
@@ -112,5 +120,5 @@ def _child(settings: GatewaySettings, siblings: Siblings) -> None:
         settings.log_level,
         graceful_timeout_s=settings.drain_timeout_s,
         on_signal=lifecycle.start_draining,
-        sockets=[listening],
+        sockets=sockets,
     )
