@@ -62,7 +62,7 @@ test-fast: install
 ## What the gateway costs against calling workers directly (about 12 minutes), and what recording
 ## metrics costs per relayed event. Results land in benchmarks/results/.
 bench: install
-	$(BIN)/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+	$(BIN)/python -m benchmarks.gateway_overhead --out benchmarks/results/gateway_overhead.json
 	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
 		--out benchmarks/results/metrics_cost.json
 

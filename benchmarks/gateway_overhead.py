@@ -5,11 +5,13 @@ Direct mode is an ideal zero-cost balancer: stream i always goes to worker i % N
 carries exactly the same load. Through the gateway, the gateway routes. Two other relays run as
 references: `bare-proxy` (the routing benchmark's emulation of vLLM's DP balancer: a raw ASGI app,
 an aiohttp client, no metrics, logs or retries; the floor for a Python relay) and `naive-httpx`
-(FastAPI + httpx + StreamingResponse). Reported per concurrency: throughput (output tokens/s and
-requests/s), TTFT p50/p99 and the ratios against direct, plus each relay's CPU time per relayed
-SSE event and per request (from /proc) and the gateway's CPU against the bare proxy's.
+(FastAPI + httpx + StreamingResponse); mode `vllm-router` adds the Rust peer (PyPI
+`vllm-router`, round robin; `make vllm-router` installs it). Reported per concurrency:
+throughput (output tokens/s and requests/s), TTFT p50/p99 and the ratios against direct, plus
+each relay's CPU time per relayed SSE event and per request (from /proc) and the gateway's CPU
+against the bare proxy's.
 
-    python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead.json
+    python -m benchmarks.gateway_overhead --out benchmarks/results/gateway_overhead.json
 
 `--baseline-src DIR` adds the mode `gateway-baseline`: the gateway of another checkout (say a
 `git worktree` of the commit before a change), run from DIR/src, with the same workers, load and
@@ -32,11 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from benchmarks.routing.fleet import ROUTERS, RouterSettings, find_vllm_router
 
 from mineru_gateway.testing import free_port, tree_cpu_seconds, wait_http_ok
 
 CHAT = "/v1/chat/completions"
-PROXIES = ("gateway", "gateway-processes", "gateway-baseline", "bare-proxy", "naive-httpx")
+PROXIES = (
+    "gateway",
+    "gateway-processes",
+    "gateway-baseline",
+    "bare-proxy",
+    "naive-httpx",
+    "vllm-router",
+)
 READY_TIMEOUT_S = 60.0
 
 
@@ -170,8 +180,12 @@ class Fleet:
         gateway_args: list[str],
         baseline_src: Path | None = None,
         processes: int = 0,
+        vllm_router: str = "",
     ) -> None:
         self.baseline_src = baseline_src
+        self.vllm_router = vllm_router
+        self.router_url = ""
+        self.router_pid = 0
         self.processes_count = processes
         self.multi_url = ""
         self.multi_pid = 0
@@ -236,6 +250,15 @@ class Fleet:
         self.bare_pid = self._spawn(["--port", str(port), "--workers", workers], bare).pid
         self.bare_url = f"http://127.0.0.1:{port}"
         wait_http_ok(self.bare_url + "/ready", READY_TIMEOUT_S)
+        if self.vllm_router:
+            port = free_port()
+            settings = RouterSettings(vllm_router_bin=self.vllm_router)
+            argv = ROUTERS["vllm_router_rr"].argv(port, self.worker_urls, settings)
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.processes.append(proc)
+            self.router_pid = proc.pid
+            self.router_url = f"http://127.0.0.1:{port}"
+            wait_http_ok(self.router_url + "/health", READY_TIMEOUT_S)
 
     def stop(self) -> None:
         for proc in self.processes:
@@ -272,12 +295,14 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "gateway-processes": [fleet.multi_url],
             "naive-httpx": [fleet.naive_url],
             "bare-proxy": [fleet.bare_url],
+            "vllm-router": [fleet.router_url],
         }[mode]
         proxy_pid = {
             "naive-httpx": fleet.naive_pid,
             "bare-proxy": fleet.bare_pid,
             "gateway-baseline": fleet.baseline_pid,
             "gateway-processes": fleet.multi_pid,
+            "vllm-router": fleet.router_pid,
         }.get(mode, fleet.gateway_pid)
         cpu_before = tree_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
@@ -391,7 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sim_args = ["--time-scale", str(args.time_scale), "--model-name", args.model]
     gateway_args = ["--log-level", args.gateway_log_level]
-    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src, args.processes)
+    router = ""
+    if "vllm-router" in args.modes:
+        router = find_vllm_router()
+        if not router:
+            raise SystemExit("mode vllm-router needs the vllm-router binary: make vllm-router")
+    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src, args.processes, router)
     fleet.start()
     try:
         import uvloop

@@ -185,6 +185,14 @@ class GatewayMetrics:
             ("reason",),
         )
     )
+    streams: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_streams",
+            "Streamed answers relayed, by how their body reached the client: `direct` (written "
+            "to the connection from the worker's read callback) or `asgi` (every chunk a message).",
+            ("writer",),
+        )
+    )
     ejections: Counter = field(
         default_factory=lambda: Counter(
             "mineru_gateway_worker_ejections",
@@ -233,6 +241,7 @@ class GatewayMetrics:
             self.completion_tokens,
             self.routing_decisions,
             self.retries,
+            self.streams,
             self.ejections,
             self.queue_wait,
             self.rejections,

@@ -166,7 +166,10 @@ def rss_mb(pid: int | None = None) -> float:
 async def gateway_counters(url: str) -> dict[str, float]:
     """The gateway's in-flight and queue gauges (each summed over its labels), and what its
     `/v1/workers` says is in flight and costed on the workers."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    # A connection each: a loaded gateway's keep-alive deadline (5 s) may close a kept
+    # connection just as the second request goes out on it (a ReadError in a full test run).
+    no_keepalive = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=no_keepalive) as client:
         text = (await client.get("/metrics")).text
         workers = (await client.get("/v1/workers")).json()["workers"]
     totals = dict.fromkeys(ZEROED_SERIES, 0.0)

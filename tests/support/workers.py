@@ -26,8 +26,9 @@ from starlette.routing import Route
 class Script:
     """What the worker does with the next completion request (tests change it between calls)."""
 
-    mode: str = "echo"  # echo | hang | stream_then_hang | stream_then_die | status
+    mode: str = "echo"  # echo | hang | stream_then_hang | stream_then_die | flood | status
     status: int = 500
+    events: int = 1000  # flood: this many numbered SSE events, as fast as they can be written
     model: str = "echo-model"
     seen: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
@@ -60,6 +61,8 @@ def scripted_worker(script: Script) -> Starlette:
             return JSONResponse(error, status_code=script.status)
         if script.mode in ("stream_then_hang", "stream_then_die"):
             return StreamingResponse(_stream(script), media_type="text/event-stream")
+        if script.mode == "flood":
+            return StreamingResponse(_flood(script.events), media_type="text/event-stream")
         payload = orjson.loads(body)
         echo = {"received": payload, "sha256": script.seen[-1]["sha256"]}
         return Response(orjson.dumps(echo), media_type="application/json")
@@ -90,6 +93,18 @@ async def _stream(script: Script) -> Any:
     except asyncio.CancelledError:
         script.cancelled += 1
         raise
+
+
+def flood_event(number: int) -> bytes:
+    """Event `number` of a flood: a chat delta naming its number, padded to about 150 bytes."""
+    delta = {"content": f"{number:08d}" + "x" * 64}
+    return b"data: " + orjson.dumps({"n": number, "choices": [{"delta": delta}]}) + b"\n\n"
+
+
+async def _flood(events: int) -> Any:
+    for number in range(events):
+        yield flood_event(number)
+    yield b"data: [DONE]\n\n"
 
 
 class DroppingWorker:

@@ -42,3 +42,14 @@ vllm:time_per_output_token_seconds_count{engine="0"} 30
 )
 def test_anything_else_is_no_reading(text: bytes) -> None:
     assert parse_vllm_load(text) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"vllm:num_requests_waiting 1\nvllm:num_requests_running 2",  # first line, no last newline
+        b'# TYPE x gauge\nvllm:num_requests_running{a="b c"} 2\nvllm:num_requests_waiting 1\n',
+    ],
+)
+def test_samples_anywhere_in_the_text_are_read(text: bytes) -> None:
+    assert parse_vllm_load(text) == VllmLoad(1.0, 2.0, 0.0, 0.0, 0.0)

@@ -28,6 +28,7 @@ import structlog
 from mineru_gateway.api.accounting import ExchangeRecord, account
 from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.api.context import GatewayContext, gateway_context
+from mineru_gateway.api.direct import DirectSink
 from mineru_gateway.api.requests import (
     ClientDisconnected,
     Endpoint,
@@ -99,6 +100,11 @@ class Exchange:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def chunk(self, data: bytes) -> None:
+        self.note(data)
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def note(self, data: bytes) -> None:
+        """Bookkeeping for a body chunk going out: timing, tokens, usage."""
         now = time.perf_counter()
         if self.first_chunk is None:
             self.first_chunk = now
@@ -108,7 +114,10 @@ class Exchange:
         self.tokens += data.count(TOKEN_MARKERS[self.endpoint])
         if USAGE_MARKER in data:
             self.usage = _stream_usage(data) or self.usage
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def direct_sink(self) -> DirectSink | None:
+        """Where the rest of a started stream may be written below ASGI (api/direct.py)."""
+        return DirectSink.attach(self._send, self.note)
 
     def measure_gaps(self, series: Series) -> None:
         """From now on, every gap between chunks goes to `series` (inter-token latency)."""
@@ -314,7 +323,8 @@ async def _relay_response(
     lease: Lease,
 ) -> None:
     if upstream.status == 200 and upstream.is_event_stream:
-        async for chunk in upstream.iter_chunks():
+        sink = exchange.direct_sink()
+        async for chunk in upstream.iter_chunks(sink):
             if exchange.status is None:
                 lease.prefilled()
                 await exchange.start(200, upstream.content_type)
@@ -325,6 +335,7 @@ async def _relay_response(
         if exchange.status is None:
             await exchange.start(200, upstream.content_type)
         await exchange.finish()
+        metrics.streams.inc("direct" if sink is not None and sink.used else "asgi")
     else:
         # Non-streaming answers and worker errors (a vLLM 400 for a too-long prompt, say) are
         # passed back with the worker's own status and body.

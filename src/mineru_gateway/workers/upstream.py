@@ -12,7 +12,7 @@ import io
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -78,6 +78,10 @@ class _Watchdog:
                 deadline if self._waiting else now + self._limit, self._check
             )
 
+    def progress(self) -> None:
+        """Bytes came and went straight on (a splice): the worker is not silent."""
+        self._last = self._loop.time()
+
     def expire_cancel(self) -> bool:
         """True (and the cancellation withdrawn) if the cancellation was this deadline's."""
         return self._fired and self._task.uncancel() == 0
@@ -118,11 +122,15 @@ class UpstreamResponse:
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
+    async def iter_chunks(self, sink: Sink | None = None) -> AsyncIterator[bytes]:
         """Yields body bytes as they arrive, never waiting to merge them.
 
         The first chunk may take as long as queueing plus prefill (`first_byte_s`); after it, a
         silence longer than `idle_s` ends the stream with UpstreamTimeout.
+
+        With a `sink`, whenever it is ready (the consumer has started its answer and its client
+        takes bytes), the body goes to the sink straight from the connection's read callback
+        instead (`_Splice`), and only what the sink could not take is yielded.
         """
         content = self._response.content
         watchdog = _Watchdog(self._timeouts.first_byte_s, self._timeouts.idle_s)
@@ -131,6 +139,8 @@ class UpstreamResponse:
                 watchdog.arrived()
                 yield chunk
                 watchdog.waiting()
+                if sink is not None and sink.ready():
+                    await _Splice.run(self._response, sink, watchdog)
         except asyncio.CancelledError:
             if watchdog.expire_cancel():
                 raise UpstreamTimeout("worker stream went silent") from None
@@ -147,6 +157,100 @@ class UpstreamResponse:
     def release(self) -> None:
         self._guard.stop()
         self._response.release()
+
+
+class Sink(Protocol):
+    """Where a splice writes: the client's side of a streamed answer."""
+
+    def ready(self) -> bool:
+        """True when `write` may be called now (the client takes bytes without waiting)."""
+
+    def write(self, data: bytes) -> None:
+        """Sends `data` on, synchronously."""
+
+
+class _Splice(asyncio.Protocol):
+    """Stands in for aiohttp's protocol on a streaming answer's connection while the client
+    keeps up: aiohttp still parses every read, and the body it produced goes to the sink in the
+    same callback. A relayed event then costs no task switch, no async-generator step and no
+    ASGI message (12-18% less CPU per event in all, benchmarks/results/stream_events.md).
+
+    It hands back (aiohttp's protocol restored, `run` returns) as soon as the sink is not ready,
+    the body ended or failed, or the connection went: the caller's `readany` loop deals with
+    what is left exactly as without a splice, so backpressure, errors and the end of the body
+    keep one implementation. Everything it uses is public: `transport.set_protocol` (asyncio)
+    and `StreamReader.read_nowait`/`is_eof`/`exception` (aiohttp).
+    """
+
+    def __init__(
+        self,
+        inner: asyncio.Protocol,
+        transport: asyncio.Transport,
+        content: aiohttp.StreamReader,
+        sink: Sink,
+        watchdog: _Watchdog,
+    ) -> None:
+        self._inner = inner
+        self._transport = transport
+        self._content = content
+        self._sink = sink
+        self._watchdog = watchdog
+        self._over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @classmethod
+    async def run(cls, response: aiohttp.ClientResponse, sink: Sink, watchdog: _Watchdog) -> None:
+        connection = response.connection
+        protocol = connection.protocol if connection is not None else None
+        transport = protocol.transport if protocol is not None else None
+        if protocol is None or transport is None or transport.is_closing():
+            return
+        splice = cls(protocol, transport, response.content, sink, watchdog)
+        transport.set_protocol(splice)
+        try:
+            splice._pump()  # what aiohttp buffered before the splice began
+            await splice._over
+        finally:
+            splice._hand_back()
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+        self._pump()
+
+    def eof_received(self) -> bool | None:
+        keep_open = self._inner.eof_received()
+        self._pump()
+        return keep_open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+        self._hand_back()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def _pump(self) -> None:
+        content = self._content
+        if self._over.done():
+            return
+        if content.exception() is not None or not self._sink.ready():
+            self._hand_back()
+            return
+        data = content.read_nowait()
+        if data:
+            self._watchdog.progress()
+            self._sink.write(data)
+        if content.is_eof():
+            self._hand_back()
+
+    def _hand_back(self) -> None:
+        if self._over.done():
+            return
+        self._over.set_result(None)
+        if not self._transport.is_closing():
+            self._transport.set_protocol(self._inner)
 
 
 # What reading a body may raise when the worker's answer breaks: aiohttp's own errors, and the
