@@ -21,6 +21,7 @@ from mineru_gateway.errors import (
     UnknownPath,
     UnknownWorker,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -45,6 +46,13 @@ TREE = [
     ),
     (UpstreamError, GatewayError, 502, "upstream_error", "upstream_error"),
     (UpstreamConnectError, UpstreamError, 502, "upstream_error", "upstream_connect_error"),
+    (
+        UpstreamConnectTimeout,
+        UpstreamConnectError,
+        502,
+        "upstream_error",
+        "upstream_connect_timeout",
+    ),
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
     (NoHealthyWorker, UpstreamError, 503, "service_unavailable", "no_healthy_worker"),
     (ShuttingDown, NoHealthyWorker, 503, "service_unavailable", "shutting_down"),

@@ -18,7 +18,8 @@
     │                                      (queue_full, tenant_queue_full, queue_timeout, ...)
     └── UpstreamError                 502  upstream_error / upstream_error (a worker failed us)
         ├── UpstreamConnectError      502  upstream_error / upstream_connect_error
-        │                                  (nothing was sent: retry safe)
+        │   │                              (nothing was sent: retry safe)
+        │   └── UpstreamConnectTimeout    502  upstream_error / upstream_connect_timeout
         ├── UpstreamTimeout           504  upstream_error / upstream_timeout
         └── NoHealthyWorker           503  service_unavailable / no_healthy_worker
             └── ShuttingDown          503  service_unavailable / shutting_down (draining)
@@ -171,6 +172,13 @@ class ShuttingDown(NoHealthyWorker):
 
 class UpstreamConnectError(UpstreamError):
     code = "upstream_connect_error"
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """No connection within `connect_timeout_s`: nothing was sent either, but unlike a refused
+    connection it may be a live worker whose host is overloaded, so it does not eject at once."""
+
+    code = "upstream_connect_timeout"
 
 
 class UpstreamTimeout(UpstreamError):

@@ -8,6 +8,7 @@ abrupt closes, so a test can put a silence or a dropped connection exactly where
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -15,7 +16,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from mineru_gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from mineru_gateway.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from mineru_gateway.testing import free_port
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient, UpstreamResponse
 
@@ -197,6 +203,32 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
             await post(client, url)
         with pytest.raises(UpstreamConnectError, match="cannot reach"):
             await client.get_ok(url + "/health", timeout_s=1.0)
+
+
+async def test_a_connection_that_is_never_made_is_a_connect_timeout_not_a_504() -> None:
+    """A listener whose accept queue is full drops new handshakes: the connect limit fires.
+    Nothing was sent, so it is a (retryable) connect error, not the first-byte timeout that
+    aiohttp's TimeoutError subclass was taken for (30 of 200 requests got 504 at once, 7.7 s
+    in, when a loaded machine delayed their connections to a busy real vLLM)."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        waiting = [socket.socket() for _ in range(4)]
+        for queued in waiting:
+            queued.setblocking(False)
+            queued.connect_ex(full.getsockname())
+        host, port = full.getsockname()
+        url = f"http://{host}:{port}"
+        try:
+            async with upstream(connect_s=0.3) as client:
+                started = time.monotonic()
+                expected = r"no connection to .* within 0\.3 s"
+                with pytest.raises(UpstreamConnectTimeout, match=expected):
+                    await post(client, url)
+                assert time.monotonic() - started < 0.3 + SLACK_S
+        finally:
+            for queued in waiting:
+                queued.close()
 
 
 async def test_a_connection_closed_before_any_answer_is_an_upstream_error() -> None:

@@ -43,6 +43,7 @@ from mineru_gateway.errors import (
     GatewayError,
     ShuttingDown,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -298,7 +299,8 @@ class Relay:
             outcome = None
             raise
         except UpstreamConnectError as error:
-            outcome = Outcome.failed("connect_error", str(error), eject_now=True)
+            refused = not isinstance(error, UpstreamConnectTimeout)
+            outcome = Outcome.failed("connect_error", str(error), eject_now=refused)
             raise _Retry("connect_error", error) from None
         except UpstreamError as error:
             if exchange.status is None:

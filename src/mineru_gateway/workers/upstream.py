@@ -18,7 +18,12 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from mineru_gateway.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from mineru_gateway.errors import (
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +361,9 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.timeouts.first_byte_s):
                 response = await self.session.post(url, data=_payload(body), headers=headers)
+        except aiohttp.ConnectionTimeoutError as exc:  # a TimeoutError too: it must come first
+            limit = self.timeouts.connect_s
+            raise UpstreamConnectTimeout(f"no connection to {url} within {limit} s") from exc
         except TimeoutError:
             limit = self.timeouts.first_byte_s
             raise UpstreamTimeout(f"no response from worker within {limit} s") from None
