@@ -71,6 +71,8 @@ class RunResult:
     ttft_p99_ms: float
     e2e_p50_ms: float
     errors: int
+    relayed_events: int = 0
+    relayed_requests: int = 0
     gateway_cpu_s: float | None = None
     gateway_cpu_us_per_event: float | None = None
     gateway_cpu_us_per_request: float | None = None
@@ -87,11 +89,15 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class Window:
-    """The measured interval; tokens are counted when they arrive inside it."""
+    """The measured interval; tokens are counted when they arrive inside it. What the proxy
+    relayed over the whole run (warm-up and the tail of requests still open at `stop` too) is
+    counted apart: its CPU is read over the whole run, and is divided by that."""
 
     start: float
     stop: float
     events: int = 0
+    relayed_events: int = 0
+    relayed_requests: int = 0
 
 
 async def one_stream(
@@ -113,9 +119,11 @@ async def one_stream(
             ):
                 sample.first_token = time.perf_counter()
             sample.events += 1
+            window.relayed_events += 1
             if window.start <= time.perf_counter() <= window.stop:
                 window.events += 1
     sample.done = time.perf_counter()
+    window.relayed_requests += 1
 
 
 async def closed_loop(
@@ -167,6 +175,8 @@ def summarise(
         ttft_p99_ms=percentile(ttfts, 99),
         e2e_p50_ms=percentile(e2es, 50),
         errors=errors,
+        relayed_events=window.relayed_events,
+        relayed_requests=window.relayed_requests,
     )
 
 
@@ -312,8 +322,8 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
         result = summarise(mode, concurrency, samples, errors, window)
         if mode != "direct":
             result.gateway_cpu_s = cpu
-            result.gateway_cpu_us_per_event = cpu / max(1, result.events) * 1e6
-            result.gateway_cpu_us_per_request = cpu / max(1, result.requests) * 1e6
+            result.gateway_cpu_us_per_event = cpu / max(1, result.relayed_events) * 1e6
+            result.gateway_cpu_us_per_request = cpu / max(1, result.relayed_requests) * 1e6
         results.append(result)
         print(format_row(result), flush=True)
         await asyncio.sleep(1.0)  # let workers drain between runs
@@ -371,7 +381,7 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
 
 
 def _cpu_per_event(runs: list[RunResult]) -> float:
-    return sum(r.gateway_cpu_s or 0.0 for r in runs) / max(1, sum(r.events for r in runs))
+    return sum(r.gateway_cpu_s or 0.0 for r in runs) / max(1, sum(r.relayed_events for r in runs))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
