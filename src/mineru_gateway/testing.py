@@ -52,15 +52,18 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` alone (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of `pid` and its live descendants (`serve --processes N`)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for member in process_tree(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    return sum(cpu_seconds(member) for member in process_tree(pid))
 
 
 def free_port() -> int:
