@@ -21,20 +21,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from mineru_gateway.testing import free_port, wait_http_ok, wait_until_async
+from mineru_gateway.testing import cpu_seconds, free_port, wait_http_ok, wait_until_async
 
 MODEL = "opendatalab/MinerU2.5-2509-1.2B"
 READY_TIMEOUT_S = 90.0
 HERE = Path(__file__).resolve().parent
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process, children not included (from /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy() -> tuple[float, float]:
