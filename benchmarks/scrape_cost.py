@@ -2,8 +2,8 @@
 engine is a child process, not counted) per `GET /metrics` and per `GET /health`, read from /proc
 over `--reads` sequential reads of each, on an idle engine (issue 16).
 
-The gateway reads every worker's `/metrics` each `load_interval_s` (0.2 s) per gateway process,
-so `serve --processes N` multiplies this cost on every worker by N.
+The gateway reads every worker's `/metrics` each `load_interval_s` (0.2 s); with `serve
+--processes N` the first process reads for all (siblings.py), so the cost does not grow with N.
 
     python -m benchmarks.scrape_cost --out benchmarks/results/scrape_cost.json
 
@@ -62,9 +62,9 @@ def markdown(document: dict[str, Any]) -> str:
             "|---|---|---|---|",
             *rows,
             "",
-            f"At the gateway's default `load_interval_s` ({LOAD_INTERVAL_S} s), each gateway "
-            f"process's `/metrics` reads take {share:.1%} of one core of every worker's API "
-            "server; `serve --processes N` takes N times that.",
+            f"At the gateway's default `load_interval_s` ({LOAD_INTERVAL_S} s), the gateway's "
+            f"`/metrics` reads take {share:.1%} of one core of every worker's API server, "
+            "whatever its number of processes (the first reads for all).",
             "",
         ]
     )

@@ -10,8 +10,10 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -265,3 +267,48 @@ def scraped_processes(url: str) -> float:
         if family.name == "mineru_gateway_processes":
             return family.samples[0].value
     return 0.0
+
+
+class CountingWorker:
+    """A worker that says it runs 7 requests and has 3 waiting, and counts its /metrics reads."""
+
+    def __init__(self) -> None:
+        self.metrics_reads = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        if scope["path"] == "/metrics":
+            self.metrics_reads += 1
+            body = b"vllm:num_requests_running 7.0\nvllm:num_requests_waiting 3.0\n"
+        elif scope["path"] == "/v1/models":
+            body = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+
+def reported(url: str) -> dict[str, Any] | None:
+    return httpx.get(url + "/v1/workers").json()["workers"][0]["reported"]  # type: ignore[no-any-return]
+
+
+def test_one_process_reads_the_workers_metrics_for_all(servers: ExitStack, tmp_path: Path) -> None:
+    """Each read costs a worker's API server 6-8 ms of CPU (benchmarks/results/scrape_cost.md):
+    with several processes, only the first reads it, and the others route on its readings."""
+    worker = CountingWorker()
+    worker_url = servers.enter_context(serve(worker))
+    settings = GatewaySettings(
+        workers=[worker_url], port=0, health_interval_s=0.2, load_interval_s=0.1
+    )
+    second = servers.enter_context(serve(create_app(settings, siblings=Siblings(1, 2, tmp_path))))
+    wait_until(lambda: all_healthy(second), 10, "the worker healthy in the second process")
+    time.sleep(0.5)  # five of its load intervals, with no first process to take readings from
+    assert worker.metrics_reads == 0 and reported(second) is None
+    first = servers.enter_context(serve(create_app(settings, siblings=Siblings(0, 2, tmp_path))))
+    wait_until(lambda: reported(second) is not None, 10, "the first process's readings")
+    figures = reported(second)
+    assert figures is not None and (figures["running"], figures["waiting"]) == (7.0, 3.0)
+    assert reported(first) is not None and worker.metrics_reads > 0
+    # Not over a client port: the readings are for the gateway's own processes.
+    refused = httpx.get(first + "/v1/internal/readings")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"

@@ -11,7 +11,13 @@ requests arriving there are marked as a sibling's. Through those sockets a proce
   merges them (`merge_expositions`), so dashboards and alerts read the same series whether one
   process or many run;
 - applies an operator's change to every process: adding, removing, draining or undraining a
-  worker is forwarded to the siblings, or the processes would route differently.
+  worker is forwarded to the siblings, or the processes would route differently;
+- reads the workers' `/metrics` once for all: the first process reads them every
+  `load_interval_s` and the others take its readings (`readings`), so a worker's API server
+  serves one read per interval (6-8 ms of its CPU each, benchmarks/results/scrape_cost.md)
+  however many processes there are. A reading carries the time it was taken (time.monotonic()
+  is one clock for the whole host), so it ages the same in every process; while the first
+  process restarts, the others' figures age and they route on their own counts.
 """
 
 from __future__ import annotations
@@ -23,15 +29,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import orjson
 import structlog
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from mineru_gateway.workers.registry import Reading
+from mineru_gateway.workers.vllm_metrics import VllmLoad
+
 log = structlog.get_logger("mineru_gateway.siblings")
 
 SIBLING_SCOPE_KEY = "mineru_gateway.sibling"  # set on requests that came over a sibling socket
+SHARED_READINGS_PATH = "/v1/internal/readings"  # answered over a sibling socket only
+READER = 0  # the process that reads the workers' /metrics for all
 
 # Gauges that count what each process holds: the gateway's is the sum over its processes. Every
 # other gauge describes something all processes see alike (a worker's health or reported queue,
@@ -167,3 +179,37 @@ class Siblings:
                     "sibling_change_failed", process=index, path=path, error=repr(answer)[:300]
                 )
         return failed
+
+    async def readings(self) -> dict[str, Reading]:
+        """The workers' load figures the reading process took; none while it does not answer
+        (restarting), so that the figures age."""
+        try:
+            status, body = await self.request(READER, "GET", SHARED_READINGS_PATH, timeout_s=1.0)
+        except (aiohttp.ClientError, TimeoutError):
+            return {}
+        if status != 200:
+            return {}
+        return {url: reading_from_json(fields) for url, fields in orjson.loads(body).items()}
+
+
+def reading_json(reading: Reading) -> dict[str, float]:
+    load = reading.load
+    return {
+        "waiting": load.waiting,
+        "running": load.running,
+        "kv_usage": load.kv_usage,
+        "itl_sum": load.itl_sum,
+        "itl_count": load.itl_count,
+        "at": reading.at,
+    }
+
+
+def reading_from_json(fields: Mapping[str, float]) -> Reading:
+    load = VllmLoad(
+        waiting=fields["waiting"],
+        running=fields["running"],
+        kv_usage=fields["kv_usage"],
+        itl_sum=fields["itl_sum"],
+        itl_count=fields["itl_count"],
+    )
+    return Reading(load, fields["at"])

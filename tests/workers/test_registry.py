@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import RoundRobin
-from mineru_gateway.workers.registry import HealthPolicy, Scrape, WorkerRegistry, learn_batch
+from mineru_gateway.workers.registry import (
+    HealthPolicy,
+    Reading,
+    Scrape,
+    WorkerRegistry,
+    learn_batch,
+)
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 from mineru_gateway.workers.vllm_metrics import VllmLoad
 from tests.support.workers import Script
@@ -134,3 +142,38 @@ def test_a_workers_batch_size_is_learnt_from_its_reported_load(
     assert worker.batch_seen == learnt
     view = registry.views()[0]
     assert view.batch_limit == (learnt or None)
+
+
+async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_once() -> None:
+    """Another process's readings (siblings.py): taken with the time they were read, learnt
+    from (pace) once each, and never a worker's /metrics read (the URLs lead nowhere)."""
+    now = time.monotonic()
+    feeds = [
+        {"http://a:1": Reading(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4)},
+        {"http://a:1": Reading(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4)},
+        {"http://a:1": Reading(VllmLoad(1, 8, 0.6, itl_sum=3.0, itl_count=200), now - 0.2)},
+    ]
+
+    async def shared() -> dict[str, Reading]:
+        return feeds.pop(0)
+
+    registry = WorkerRegistry(
+        ["http://a:1", "http://b:1"],
+        UpstreamClient(Timeouts(1, 1, 1)),
+        RoundRobin(),
+        shared_readings=shared,
+    )
+    first, second = registry.workers
+    first.healthy = second.healthy = True
+    await registry.read_all_loads()
+    taken = first.scrape
+    assert taken is not None and taken.at == now - 0.4 and taken.load.running == 7
+    assert second.scrape is None
+    with registry.lease(first, Cost(prefill=0.1, hold=1.0)):
+        await registry.read_all_loads()  # the same reading again: left as it was taken
+        assert first.scrape is taken
+        await registry.read_all_loads()
+        assert first.scrape.load.running == 8 and first.scrape.own_in_flight == 1
+    assert first.itl_s == pytest.approx(0.02)  # (3.0 - 1.0) / (200 - 100)
+    assert registry.readings(max_age_s=0.3) == {"http://a:1": Reading(first.scrape.load, now - 0.2)}
+    assert registry.readings(max_age_s=0.1) == {}

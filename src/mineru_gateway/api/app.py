@@ -45,7 +45,13 @@ from mineru_gateway.errors import (
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
 from mineru_gateway.routing import LoadModel, make_policy
-from mineru_gateway.siblings import SIBLING_SCOPE_KEY, Siblings
+from mineru_gateway.siblings import (
+    READER,
+    SHARED_READINGS_PATH,
+    SIBLING_SCOPE_KEY,
+    Siblings,
+    reading_json,
+)
 from mineru_gateway.telemetry import (
     NpuSmiSource,
     NpuTelemetry,
@@ -104,6 +110,9 @@ def build_context(
         batch_limit=settings.batch_limit,
         metrics=metrics,
         rng=random.Random(),
+        # One process reads the workers for all: each read costs a worker's API server 6-8 ms
+        # of CPU (benchmarks/results/scrape_cost.md).
+        shared_readings=siblings.readings if siblings and siblings.index != READER else None,
     )
     cost_model = CostModel(
         prefill_weight=settings.prefill_weight,
@@ -439,6 +448,16 @@ def _add_control_routes(app: FastAPI) -> None:
             )
         body = await render_metrics(context, sibling=sibling)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(SHARED_READINGS_PATH)
+    async def readings(request: Request) -> Response:
+        """The workers' load figures this process read, for its siblings only (siblings.py):
+        with several processes, the first reads every worker's `/metrics` for all."""
+        if not _from_sibling(request):
+            raise UnknownPath(f"{SHARED_READINGS_PATH} is for the gateway's own processes")
+        context = _context(request)
+        readings = context.registry.readings(max_age_s=context.settings.stale_after_s)
+        return _json({url: reading_json(reading) for url, reading in readings.items()})
 
     @app.get("/v1/workers", dependencies=[Depends(_client_or_admin)])
     async def workers(request: Request) -> Response:

@@ -25,7 +25,7 @@ import contextlib
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,14 @@ class Outcome:
 
 
 SUCCESS = Outcome()
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A worker's load figures and when they were read (time.monotonic())."""
+
+    load: VllmLoad
+    at: float
 
 
 @dataclass(slots=True)
@@ -180,8 +188,12 @@ class WorkerRegistry:
         batch_limit: int | None = None,
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
+        shared_readings: Callable[[], Awaitable[Mapping[str, Reading]]] | None = None,
     ) -> None:
+        """With `shared_readings`, the workers' load figures come from that (another gateway
+        process's readings, siblings.py) instead of each worker's `/metrics`."""
         self._workers = {url: Worker(url) for url in urls}
+        self._shared_readings = shared_readings
         self._client = client
         self.policy = policy
         self.health = health or HealthPolicy()
@@ -409,11 +421,31 @@ class WorkerRegistry:
         except GatewayError:
             return  # the figures age; past `stale_after_s` routing ignores them
         load = parse_vllm_load(text)
-        if load is None:
-            return
-        self._learn_pace(worker, load)
-        learn_batch(worker, load)
-        worker.scrape = Scrape(load, time.monotonic(), own)
+        if load is not None:
+            self._take(worker, Reading(load, time.monotonic()), own)
+
+    def _take(self, worker: Worker, reading: Reading, own: int) -> None:
+        if worker.scrape is not None and worker.scrape.at >= reading.at:
+            return  # a reading already taken (shared readings are fetched more than once)
+        self._learn_pace(worker, reading.load)
+        learn_batch(worker, reading.load)
+        worker.scrape = Scrape(reading.load, reading.at, own)
+
+    def readings(self, max_age_s: float) -> dict[str, Reading]:
+        """The latest load figures of each worker read within `max_age_s`, for the gateway's
+        other processes (time.monotonic() is one clock for every process of a host)."""
+        oldest = time.monotonic() - max_age_s
+        return {
+            worker.url: Reading(worker.scrape.load, worker.scrape.at)
+            for worker in self.workers
+            if worker.scrape is not None and worker.scrape.at >= oldest
+        }
+
+    async def _take_shared(self, source: Callable[[], Awaitable[Mapping[str, Reading]]]) -> None:
+        readings = await source()
+        for worker in self.workers:
+            if worker.healthy and (reading := readings.get(worker.url)) is not None:
+                self._take(worker, reading, worker.in_flight)
 
     @property
     def _load_timeout(self) -> float:
@@ -433,7 +465,10 @@ class WorkerRegistry:
             worker.itl_s += ITL_SMOOTHING * (itl - worker.itl_s)
 
     async def read_all_loads(self) -> None:
-        await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
+        if self._shared_readings is not None:
+            await self._take_shared(self._shared_readings)
+        else:
+            await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
         self._changed()
 
     async def start(self) -> None:
