@@ -23,10 +23,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mineru_gateway.config import GatewaySettings
 from mineru_gateway.testing import cpu_seconds, start_vllm_server, vllm_paths_from_env
 
 PATHS = ("/health", "/metrics")
-LOAD_INTERVAL_S = 0.2  # the gateway's default load_interval_s
+LOAD_INTERVAL_S: float = GatewaySettings.model_fields["load_interval_s"].default
 
 
 def read_cost(url: str, pid: int, reads: int) -> dict[str, float]:

@@ -289,7 +289,7 @@ class CountingWorker:
 
 
 def reported(url: str) -> dict[str, Any] | None:
-    return httpx.get(url + "/v1/workers").json()["workers"][0]["reported"]  # type: ignore[no-any-return]
+    return httpx.get(url + "/v1/workers").json()["workers"][0]["reported"]
 
 
 def test_one_process_reads_the_workers_metrics_for_all(servers: ExitStack, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
@@ -193,23 +193,9 @@ class Siblings:
 
 
 def reading_json(reading: Reading) -> dict[str, float]:
-    load = reading.load
-    return {
-        "waiting": load.waiting,
-        "running": load.running,
-        "kv_usage": load.kv_usage,
-        "itl_sum": load.itl_sum,
-        "itl_count": load.itl_count,
-        "at": reading.at,
-    }
+    return {**asdict(reading.load), "at": reading.at}
 
 
 def reading_from_json(fields: Mapping[str, float]) -> Reading:
-    load = VllmLoad(
-        waiting=fields["waiting"],
-        running=fields["running"],
-        kv_usage=fields["kv_usage"],
-        itl_sum=fields["itl_sum"],
-        itl_count=fields["itl_count"],
-    )
+    load = VllmLoad(**{name: value for name, value in fields.items() if name != "at"})
     return Reading(load, fields["at"])

@@ -238,7 +238,9 @@ async def all_admitted(url: str, count: int, *, finished_too: bool = False) -> b
     counters = await gateway_counters(url)
     on_workers = counters["workers_in_flight"]
     held = on_workers + counters["mineru_gateway_queue_requests"]
-    return on_workers > 0 and held + finished_too * counters["finished"] == count
+    if finished_too:
+        held += counters["finished"]
+    return on_workers > 0 and held == count
 
 
 def sigterm_mix() -> Iterator[dict[str, object]]:

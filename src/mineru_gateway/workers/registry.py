@@ -441,12 +441,6 @@ class WorkerRegistry:
             if worker.scrape is not None and worker.scrape.at >= oldest
         }
 
-    async def _take_shared(self, source: Callable[[], Awaitable[Mapping[str, Reading]]]) -> None:
-        readings = await source()
-        for worker in self.workers:
-            if worker.healthy and (reading := readings.get(worker.url)) is not None:
-                self._take(worker, reading, worker.in_flight)
-
     @property
     def _load_timeout(self) -> float:
         return max(1.0, 4 * self._load_interval)
@@ -466,7 +460,10 @@ class WorkerRegistry:
 
     async def read_all_loads(self) -> None:
         if self._shared_readings is not None:
-            await self._take_shared(self._shared_readings)
+            readings = await self._shared_readings()
+            for worker in self.workers:
+                if worker.healthy and (reading := readings.get(worker.url)) is not None:
+                    self._take(worker, reading, worker.in_flight)
         else:
             await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
         self._changed()
