@@ -23,7 +23,6 @@ from mineru_gateway.testing import wait_until_async
 from tests.conftest import StartSim
 from tests.faults.conftest import (
     Process,
-    StartGatewayProcess,
     StartGatewayThread,
     StartRawWorker,
     StartSimProcesses,
@@ -220,20 +219,6 @@ async def test_workers_answering_garbage_or_closing_mid_answer(
             wrong[case] = (outcomes, hits)
     assert not wrong, wrong
     await assert_settled(probe, baseline, concurrency=4)
-
-
-async def test_a_broken_chunk_with_aiohttps_pure_python_parser(
-    raw_worker: StartRawWorker, gateway_process: StartGatewayProcess
-) -> None:
-    """Without its C extension, aiohttp's parser raises its own errors, which are not
-    ClientErrors: they too are a broken answer (an upstream error), not the gateway's own."""
-    bad, bad_url = await raw_worker(send_and_close(*GARBAGE["bad chunk mid-stream"][0]))
-    gateway = await gateway_process(
-        [bad_url], "--eject-after", "1000000", env={"AIOHTTP_NO_EXTENSIONS": "1"}
-    )
-    outcomes = await run_load(gateway.url, [chat(stream=True)], clients=2, seconds=1)
-    assert set(outcomes) == {BROKEN}, outcomes
-    assert bad.completions >= 2
 
 
 VLLM_503 = orjson.dumps(

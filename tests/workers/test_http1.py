@@ -1,0 +1,331 @@
+"""The relay's HTTP/1.1 client against real sockets: what reuses a connection and what drops it
+(the worker must see a connection close to stop a generation), answers framed every way HTTP/1.1
+allows, broken ones, deadlines, and the splice's hand-back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from mineru_gateway.workers.http1 import Disconnected, Http1Pool, Malformed
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+STREAM = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass
+class Seen:
+    """What the worker saw: one entry per connection, the requests read on it, and whether the
+    gateway closed it."""
+
+    requests: list[list[bytes]] = field(default_factory=list)
+    closed: list[asyncio.Event] = field(default_factory=list)
+    asked: asyncio.Event = field(default_factory=asyncio.Event)  # a request was read
+
+
+Answerer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def worker(answer: Answerer) -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests: list[bytes] = []
+        closed = asyncio.Event()
+        seen.requests.append(requests)
+        seen.closed.append(closed)
+        try:
+            while True:
+                request = await read_request(reader)
+                requests.append(request)
+                seen.asked.set()
+                await answer(reader, writer, request)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            closed.set()
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.close()
+
+
+def writes(*pieces: bytes) -> Answerer:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+
+    return answer
+
+
+@asynccontextmanager
+async def pool(keepalive_s: float = 4.0) -> AsyncIterator[Http1Pool]:
+    connections = Http1Pool(connect_timeout_s=2.0, keepalive_s=keepalive_s)
+    try:
+        yield connections
+    finally:
+        connections.close()
+
+
+async def get(connections: Http1Pool, url: str, deadline_s: float = 2.0) -> bytes:
+    answer = await connections.request("GET", url, {}, b"", deadline_s)
+    try:
+        return await answer.read()
+    finally:
+        answer.close()
+
+
+async def closed_soon(event: asyncio.Event) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), 2.0)
+    except TimeoutError:
+        return False
+    return True
+
+
+# -- reuse ----------------------------------------------------------------------------------
+
+
+async def test_answers_read_to_their_end_reuse_one_connection() -> None:
+    async with worker(writes(OK)) as (url, seen), pool() as connections:
+        for _ in range(5):
+            assert await get(connections, url + "/health") == b"{}"
+    assert [len(requests) for requests in seen.requests] == [5]
+
+
+async def test_the_request_carries_its_line_host_length_headers_and_body() -> None:
+    async with worker(writes(OK)) as (url, seen), pool() as connections:
+        headers = {"Content-Type": "application/json", "X-Request-Id": "r-1"}
+        answer = await connections.request(
+            "POST", url + "/v1/chat/completions?x=1", headers, b"{}", 2
+        )
+        await answer.read()
+    host = url.removeprefix("http://").encode()
+    assert seen.requests[0][0] == (
+        b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: " + host + b"\r\n"
+        b"Content-Length: 2\r\nContent-Type: application/json\r\nX-Request-Id: r-1\r\n\r\n{}"
+    )
+
+
+async def test_an_answer_closed_before_its_end_drops_its_connection() -> None:
+    """How a worker learns that nobody waits for its generation any more."""
+    stream = writes(STREAM, chunk(b"data: 0\n\n"))
+    async with worker(stream) as (url, seen), pool() as connections:
+        answer = await connections.request("POST", url + "/v1/completions", {}, b"{}", 2.0)
+        assert await answer.read_some() == b"data: 0\n\n"
+        answer.close()
+        assert await closed_soon(seen.closed[0])
+        assert connections.connections == 0
+
+
+async def test_connection_close_and_http_1_0_answers_are_not_reused() -> None:
+    close = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+    old = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    for head in (close, old):
+        async with worker(writes(head)) as (url, seen), pool() as connections:
+            assert await get(connections, url) == b"{}"
+            assert await get(connections, url) == b"{}"
+        assert [len(requests) for requests in seen.requests] == [1, 1]
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive() -> None:
+    """Workers close idle keep-alive connections after 5 s (vLLM's uvicorn): the pool must not
+    hand out one that the worker may be closing at that moment."""
+    async with worker(writes(OK)) as (url, seen), pool(keepalive_s=0.2) as connections:
+        await get(connections, url)
+        assert await closed_soon(seen.closed[0])  # the sweep closed it, unasked
+        await get(connections, url)
+    assert [len(requests) for requests in seen.requests] == [1, 1]
+
+
+async def test_an_answer_given_before_the_request_body_was_read_is_not_reused() -> None:
+    """A worker that answers (say 413) without reading the body would take the rest of it for
+    the next request."""
+
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # the head only, never the body
+            await early(reader, writer, b"")
+            while await reader.read(1 << 16):  # until the gateway drops the connection
+                pass
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1024)
+    port = server.sockets[0].getsockname()[1]
+    async with pool() as connections:
+        body = b"x" * (64 * 1024 * 1024)  # more than the socket buffers hold
+        answer = await connections.request("POST", f"http://127.0.0.1:{port}/", {}, body, 5.0)
+        assert answer.status == 413
+        assert await answer.read() == b""
+        assert connections.connections == 0
+    server.close()
+
+
+# -- framing and broken answers ------------------------------------------------------------------
+
+
+async def test_a_body_that_runs_to_the_end_of_the_connection_is_read_whole() -> None:
+    async def unframed(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of ")
+        await writer.drain()
+        writer.write(b"it")
+        writer.close()
+
+    async with worker(unframed) as (url, _), pool() as connections:
+        answer = await connections.request("GET", url, {}, b"", 2.0)
+        assert answer.content_type == "text/plain"
+        assert await answer.read() == b"all of it"
+
+
+async def test_a_chunked_body_arrives_as_its_chunks_and_ends_at_the_last() -> None:
+    stream = writes(STREAM, chunk(b"data: 0\n\n"), chunk(b"data: 1\n\n"), b"0\r\n\r\n")
+    async with worker(stream) as (url, seen), pool() as connections:
+        answer = await connections.request("POST", url, {}, b"{}", 2.0)
+        assert answer.content_type == "text/event-stream"
+        assert await answer.read() == b"data: 0\n\ndata: 1\n\n"
+        assert answer.ended
+        assert await get(connections, url) == b"data: 0\n\ndata: 1\n\n"  # the same connection
+    assert len(seen.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        (b"HTTP/1.1 abc\r\n\r\n",),
+        (STREAM, chunk(b"data: 0\n\n"), b"zz\r\nnot a chunk\r\n"),
+        (b"HTTP/1.1 200 OK\r\nx-filler: " + b"a" * 100_000 + b"\r\n\r\n",),
+    ],
+    ids=["bad status line", "bad chunk", "header too long"],
+)
+async def test_bytes_that_are_not_http_fail_the_answer_and_drop_the_connection(
+    pieces: tuple[bytes, ...],
+) -> None:
+    async with worker(writes(*pieces)) as (url, seen), pool() as connections:
+        with pytest.raises((Malformed, Disconnected)):
+            answer = await connections.request("POST", url, {}, b"{}", 2.0)
+            await answer.read()
+        assert await closed_soon(seen.closed[0])
+
+
+async def test_bytes_after_an_answer_drop_its_connection() -> None:
+    """A second answer to one request: whatever the next request on that connection read would
+    not be its own."""
+    extra = OK + b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    async with worker(writes(extra)) as (url, seen), pool() as connections:
+        assert await get(connections, url) == b"{}"
+        assert await closed_soon(seen.closed[0])
+        assert connections.connections == 0
+
+
+async def test_a_connection_closed_mid_body_fails_the_read() -> None:
+    async def cut(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(STREAM + chunk(b"data: 0\n\n"))
+        await writer.drain()
+        writer.close()
+
+    async with worker(cut) as (url, _), pool() as connections:
+        answer = await connections.request("POST", url, {}, b"{}", 2.0)
+        assert await answer.read_some() == b"data: 0\n\n"
+        with pytest.raises(Disconnected, match="closed the connection"):
+            await answer.read_some()
+
+
+async def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    async with worker(writes(OK)) as (url, seen), pool() as connections:
+        with pytest.raises(ValueError, match="line break"):
+            await connections.request("POST", url, {"X-Request-Id": "a\r\nEvil: 1"}, b"{}", 2.0)
+    assert seen.requests == []
+
+
+# -- deadlines and cancellation ---------------------------------------------------------------
+
+
+async def silent(reader: asyncio.StreamReader, _: asyncio.StreamWriter, __: bytes) -> None:
+    await reader.read()  # until the gateway closes
+
+
+async def test_headers_later_than_the_deadline_are_a_timeout_and_drop_the_connection() -> None:
+    async with worker(silent) as (url, seen), pool() as connections:
+        with pytest.raises(TimeoutError):
+            await connections.request("POST", url, {}, b"{}", 0.2)
+        assert await closed_soon(seen.closed[0])
+
+
+async def test_a_caller_cancelled_while_waiting_for_headers_drops_the_connection() -> None:
+    """A client that leaves while its request waits in the worker's queue: not a timeout."""
+    async with worker(silent) as (url, seen), pool() as connections:
+        waiting = asyncio.ensure_future(connections.request("POST", url, {}, b"{}", 5.0))
+        await asyncio.wait_for(seen.asked.wait(), 2.0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await closed_soon(seen.closed[0])
+
+
+# -- the splice ---------------------------------------------------------------------------------
+
+
+class Sink:
+    def __init__(self, takes: int) -> None:
+        self.takes = takes  # writes it accepts before it reports itself not ready
+        self.written: list[bytes] = []
+
+    def ready(self) -> bool:
+        return len(self.written) < self.takes
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+async def test_a_splice_writes_while_the_sink_takes_and_leaves_the_rest_in_order() -> None:
+    gate = asyncio.Event()
+
+    async def paced(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(STREAM)
+        for index in range(5):
+            await gate.wait()
+            writer.write(chunk(b"data: %d\n\n" % index))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+
+    async with worker(paced) as (url, _), pool() as connections:
+        answer = await connections.request("POST", url, {}, b"{}", 2.0)
+        sink, writes_seen = Sink(takes=2), []
+        splicing = asyncio.ensure_future(answer.splice(sink, lambda: writes_seen.append(1)))
+        gate.set()
+        await asyncio.wait_for(splicing, 2.0)  # handed back once the sink stopped taking
+        rest = await answer.read()
+    assert sink.written == [b"data: 0\n\n", b"data: 1\n\n"]
+    assert len(writes_seen) == 2
+    assert rest == b"data: 2\n\ndata: 3\n\ndata: 4\n\n"
