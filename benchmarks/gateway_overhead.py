@@ -16,6 +16,8 @@ against the bare proxy's.
 `--baseline-src DIR` adds the mode `gateway-baseline`: the gateway of another checkout (say a
 `git worktree` of the commit before a change), run from DIR/src, with the same workers, load and
 rounds, so that a change's cost per event is measured against its parent in the same run.
+`--idle S` first measures what each proxy costs with no traffic over the same S seconds (the
+gateway's polling of the workers' /metrics and /health).
 """
 
 from __future__ import annotations
@@ -270,6 +272,16 @@ class Fleet:
             self.router_url = f"http://127.0.0.1:{port}"
             wait_http_ok(self.router_url + "/health", READY_TIMEOUT_S)
 
+    def pid_of(self, mode: str) -> int:
+        """The process (tree) of a proxy mode; the gateway's for `gateway`."""
+        return {
+            "naive-httpx": self.naive_pid,
+            "bare-proxy": self.bare_pid,
+            "gateway-baseline": self.baseline_pid,
+            "gateway-processes": self.multi_pid,
+            "vllm-router": self.router_pid,
+        }.get(mode, self.gateway_pid)
+
     def stop(self) -> None:
         for proc in self.processes:
             proc.send_signal(signal.SIGTERM)
@@ -307,13 +319,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "bare-proxy": [fleet.bare_url],
             "vllm-router": [fleet.router_url],
         }[mode]
-        proxy_pid = {
-            "naive-httpx": fleet.naive_pid,
-            "bare-proxy": fleet.bare_pid,
-            "gateway-baseline": fleet.baseline_pid,
-            "gateway-processes": fleet.multi_pid,
-            "vllm-router": fleet.router_pid,
-        }.get(mode, fleet.gateway_pid)
+        proxy_pid = fleet.pid_of(mode)
         cpu_before = tree_cpu_seconds(proxy_pid)
         samples, errors, window = await closed_loop(
             targets, concurrency, body, args.warmup, args.duration
@@ -384,6 +390,19 @@ def _cpu_per_event(runs: list[RunResult]) -> float:
     return sum(r.gateway_cpu_s or 0.0 for r in runs) / max(1, sum(r.relayed_events for r in runs))
 
 
+async def idle_cost(fleet: Fleet, modes: list[str], seconds: float) -> dict[str, float]:
+    """CPU milliseconds a second each proxy spends with no traffic: what it costs to keep its
+    view of the workers (the gateway reads their /metrics and /health; measured over the same
+    seconds for all, before any load)."""
+    proxies = [mode for mode in modes if mode != "direct"]
+    before = {mode: tree_cpu_seconds(fleet.pid_of(mode)) for mode in proxies}
+    await asyncio.sleep(seconds)
+    return {
+        mode: (tree_cpu_seconds(fleet.pid_of(mode)) - before[mode]) / seconds * 1e3
+        for mode in proxies
+    }
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -403,6 +422,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=5.0)
     parser.add_argument("--gateway-log-level", default="info")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--idle", type=float, default=0.0, help="first measure each proxy idle for this many s"
+    )
     parser.add_argument(
         "--baseline-src",
         type=Path,
@@ -436,10 +458,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
 
+        idle = uvloop.run(idle_cost(fleet, args.modes, args.idle)) if args.idle else {}
         results = uvloop.run(measure(args, fleet))
     finally:
         fleet.stop()
     summary = [row for mode in PROXIES for row in compare(results, mode)]
+    for mode, cost in idle.items():
+        print(f"{mode} idle: {cost:.1f} ms of CPU a second")
     for row in summary:
         over_bare = row["cpu_over_bare_proxy"]
         print(
@@ -458,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "runs": [asdict(r) for r in results],
             "summary": summary,
+            "idle_cpu_ms_per_s": idle,
         }
         args.out.write_text(json.dumps(document, indent=2) + "\n")
 

@@ -1,10 +1,15 @@
 """The streaming overhead benchmark's accounting (benchmarks/gateway_overhead.py), on a
-simulated worker: CPU read over a whole run is divided by what the whole run relayed."""
+simulated worker: CPU read over a whole run is divided by what the whole run relayed; and what
+a proxy costs idle."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+
 import orjson
-from benchmarks.gateway_overhead import closed_loop, summarise
+from benchmarks.gateway_overhead import Fleet, closed_loop, idle_cost, summarise
 
 from mineru_gateway.sim.config import DEFAULT_MODEL_NAME
 from tests.conftest import StartSim
@@ -33,3 +38,20 @@ async def test_every_event_of_a_run_is_counted_and_the_window_only_for_throughpu
     result = summarise("gateway", 4, samples, errors, window)
     assert (result.events, result.relayed_events) == (window.events, window.relayed_events)
     assert result.relayed_requests == window.relayed_requests
+
+
+def test_idle_cost_is_each_proxys_cpu_milliseconds_a_second() -> None:
+    spin = "while True: pass"  # a whole core while it gets one
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        fleet = Fleet(0, [], [])
+        fleet.gateway_pid, fleet.router_pid = busy.pid, idle.pid
+        costs = asyncio.run(idle_cost(fleet, ["direct", "gateway", "vllm-router"], 1.0))
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert set(costs) == {"gateway", "vllm-router"}  # direct is no proxy
+    assert costs["vllm-router"] < 50 < 300 < costs["gateway"] <= 1100

@@ -16,9 +16,9 @@ until its first chunk, so a worker dying while the request waits in its queue is
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
@@ -190,11 +190,12 @@ class Relay:
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self.path = PATHS[endpoint]
+        self._ids = RequestIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = gateway_context(scope)
         headers = dict(scope["headers"])
-        exchange = Exchange(send, _request_id(headers), self.endpoint)
+        exchange = Exchange(send, self._ids.take(headers), self.endpoint)
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
@@ -350,25 +351,33 @@ async def _relay_response(
 async def _until_done_or_disconnect(
     work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
 ) -> None:
-    """Runs `work`, cancelling it the moment the client disconnects.
+    """Runs `work` in this task, cancelling it the moment the client disconnects.
 
     Cancelling closes the upstream connection (in `_attempt`'s `finally`), which is what makes
-    vLLM abort the generation and free its KV cache.
+    vLLM abort the generation and free its KV cache. Only the watcher of `receive` is a task of
+    its own: a second task for the work cost a task and a wait per request.
     """
-    work_task = asyncio.ensure_future(work)
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    def on_disconnect(_: asyncio.Future[None]) -> None:
+        nonlocal left
+        if not exchange.complete:  # the whole answer went out: nothing to stop
+            left = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait((work_task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work_task.done() and not exchange.complete:
-            work_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    try:
-        await work_task
+        await work
     except asyncio.CancelledError:
-        raise ClientDisconnected from None
+        if left and task.uncancel() == 0:
+            raise ClientDisconnected from None
+        raise
+    finally:
+        watcher.remove_done_callback(on_disconnect)
+        watcher.cancel()
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -394,11 +403,21 @@ def _stream_usage(data: bytes) -> dict[str, Any] | None:
     return None
 
 
-def _request_id(headers: dict[bytes, bytes]) -> str:
-    given = headers.get(b"x-request-id")
-    if given and len(given) <= 128:
-        return given.decode("latin-1")
-    return uuid.uuid4().hex
+class RequestIds:
+    """Request ids for requests that bring none: 32 hex digits, a random half per process and a
+    counter, unique among the gateway's processes and replicas (vLLM requires in-flight ids to
+    be unique) at a fraction of uuid4's cost (3% of the CPU of a small request, py-spy)."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count()
+
+    def take(self, headers: dict[bytes, bytes]) -> str:
+        """The client's X-Request-Id if it gave a usable one, else a new id."""
+        given = headers.get(b"x-request-id")
+        if given and len(given) <= 128:
+            return given.decode("latin-1")
+        return f"{self._prefix}{next(self._count):016x}"
 
 
 def _content_length(headers: dict[bytes, bytes]) -> int | None:

@@ -366,7 +366,7 @@ class Http1Pool:
         headers did not come within `deadline_s` (a connection made in that time included)."""
         key = self._key(url)
         head = _request_head(method, key, headers, body)
-        deadline = _Deadline(deadline_s)
+        deadline = Deadline(deadline_s)
         try:
             connection = self._take_idle(key) or await self._connect(key)
             self._busy.add(connection)
@@ -465,7 +465,7 @@ class Http1Pool:
             )
 
 
-class _Deadline:
+class Deadline:
     """Cancels the current task at a deadline, and tells that cancellation from others."""
 
     __slots__ = ("_fired", "_handle", "_task")

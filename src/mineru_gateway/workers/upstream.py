@@ -24,6 +24,7 @@ from mineru_gateway.errors import (
 from mineru_gateway.workers.http1 import (
     Answer,
     ConnectFailed,
+    Deadline,
     Disconnected,
     Http1Pool,
     Malformed,
@@ -122,13 +123,17 @@ class UpstreamResponse:
         return self.content_type.startswith("text/event-stream")
 
     async def read(self) -> bytes:
+        deadline = Deadline(self._timeouts.first_byte_s)  # cheaper than asyncio.timeout
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
-                return await self._answer.read()
-        except TimeoutError:
-            raise UpstreamTimeout("worker did not finish its answer in time") from None
+            return await self._answer.read()
+        except asyncio.CancelledError:
+            if deadline.expired():
+                raise UpstreamTimeout("worker did not finish its answer in time") from None
+            raise
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
+        finally:
+            deadline.cancel()
 
     async def iter_chunks(self, sink: Sink | None = None) -> AsyncIterator[bytes]:
         """Yields body bytes as they arrive, never waiting to merge them.
