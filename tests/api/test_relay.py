@@ -168,6 +168,12 @@ def test_worker_error_status_and_body_pass_through(
     response = httpx.post(gateway + CHAT, json=chat_body())
     assert response.status_code == 422
     assert response.json()["error"]["message"] == "scripted"
+    # A whole answer is sized, not chunked; the gateway's own errors too.
+    assert response.headers["content-length"] == str(len(response.content))
+    assert "transfer-encoding" not in response.headers
+    refused = httpx.post(gateway + CHAT, content=b"not json")
+    assert refused.status_code == 400
+    assert refused.headers["content-length"] == str(len(refused.content))
 
 
 def test_no_healthy_worker_is_503(start_gateway: StartGateway) -> None:

@@ -129,8 +129,16 @@ class Exchange:
         self.complete = True
         self.finished = time.perf_counter()
 
-    async def respond(self, status: int, content_type: str, body: bytes) -> None:
-        await self.start(status, content_type)
+    async def respond(
+        self,
+        status: int,
+        content_type: str,
+        body: bytes,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        """A whole answer: sized, so that uvicorn sends it as it is, not in chunked framing."""
+        length = [(b"content-length", b"%d" % len(body))]
+        await self.start(status, content_type, length + extra if extra else length)
         await self.finish(body)
 
     async def fail(self, error: GatewayError) -> None:
@@ -139,8 +147,8 @@ class Exchange:
         if self.complete:
             return
         if self.status is None:
-            await self.start(error.status, "application/json", error.headers())
-            await self.finish(error.body_bytes())
+            body = error.body_bytes()
+            await self.respond(error.status, "application/json", body, error.headers())
         elif self.streaming:
             event = b"data: " + error.body_bytes() + b"\n\ndata: [DONE]\n\n"
             await self.finish(event)

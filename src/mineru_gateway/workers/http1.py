@@ -269,14 +269,14 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool.forget(self)
+        self.transport = None
         answer = self._answer
-        if answer is not None and self._head is None and not self._sized:
+        if exc is None and answer is not None and self._head is None and not self._sized:
             self._answer = None  # a body that runs to the end of the connection has ended
             answer._end()
             return
         reason = f": {exc}" if exc else ""
         self._failed(Disconnected(f"the worker closed the connection{reason}"))
-        self.transport = None
 
     # -- httptools ------------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
