@@ -289,4 +289,4 @@ async def test_an_answer_keeps_its_status_and_content_type() -> None:
         assert (response.status, response.content_type) == (400, "application/json")
         assert not response.is_event_stream
         assert await response.read() == b'{"error": {}}'
-        response.release()
+        response.close()

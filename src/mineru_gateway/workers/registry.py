@@ -79,12 +79,10 @@ class Reading:
     at: float
 
 
-@dataclass(slots=True)
-class Scrape:
-    """One reading of a worker's `/metrics`, with this gateway's own count at that moment."""
+@dataclass(frozen=True, slots=True)
+class Scrape(Reading):
+    """A reading taken into this gateway's view, with its own count at that moment."""
 
-    load: VllmLoad
-    at: float  # time.monotonic()
     own_in_flight: int
 
 

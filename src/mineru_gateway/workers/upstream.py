@@ -166,10 +166,6 @@ class UpstreamResponse:
     def close(self) -> None:
         self._answer.close()
 
-    def release(self) -> None:
-        """The answer was read to its end (its connection is back in the pool) or is dropped."""
-        self._answer.close()
-
 
 # What reading an answer may raise when it breaks.
 BROKEN_BODY = (Disconnected, Malformed)
