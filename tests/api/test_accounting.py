@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
+import structlog
 from prometheus_client.core import Metric
-from structlog.testing import capture_logs
+from structlog.testing import LogCapture, capture_logs
 
 from mineru_gateway.api.accounting import (
     CLIENT_CLOSED,
@@ -161,6 +163,22 @@ def test_the_access_log_of_an_exchange_without_answer_has_no_ttft() -> None:
     [line] = logs
     assert (line["status"], line["worker"], line["ttft_ms"]) == (None, None, None)
     assert line["latency_ms"] == 12.35
+
+
+def test_the_access_log_follows_the_log_level() -> None:
+    capture = LogCapture()
+    try:
+        for level, lines in ((logging.WARNING, 0), (logging.INFO, 1)):
+            structlog.configure(
+                processors=[capture],
+                wrapper_class=structlog.make_filtering_bound_logger(level),
+                cache_logger_on_first_use=False,
+            )
+            capture.entries.clear()
+            log_exchange(STREAMED)
+            assert len(capture.entries) == lines, logging.getLevelName(level)
+    finally:
+        structlog.reset_defaults()
 
 
 def test_account_does_all_three() -> None:

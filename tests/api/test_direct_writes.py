@@ -1,6 +1,6 @@
-"""Streams written to the client's connection below ASGI (api/direct.py, workers/upstream.py's
-splice): whole and in order, also across a client that stops reading, and the ASGI path kept
-where the server is not uvicorn's httptools protocol."""
+"""Streams written to the client's connection below ASGI (api/connection.py's DirectSink,
+workers/http1.py's splice): whole and in order, also across a client that stops reading, and the
+ASGI path kept where the server is not the gateway's own protocol."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
+import pytest
 
 from mineru_gateway.api.app import create_app
-from mineru_gateway.api.direct import DirectSink
 from mineru_gateway.config import GatewaySettings
 from tests.conftest import StartGateway
 from tests.support.servers import serve, wait_until
@@ -76,26 +76,20 @@ def test_a_client_that_stops_reading_still_gets_every_event_in_order(
     _streams_counted(f"http://{gateway.netloc}", "direct", 1)
 
 
-def test_other_servers_keep_the_asgi_path(scripted: tuple[Script, str]) -> None:
-    """uvicorn's h11 protocol frames bytes itself: nothing may be written around it."""
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_uvicorns_own_protocols_keep_the_asgi_path(scripted: tuple[Script, str], http: str) -> None:
+    """Without the gateway's protocol there is no link to write through: uvicorn frames bytes
+    itself, and nothing may be written around it."""
     script, worker = scripted
     script.mode, script.events = "flood", 500
     app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2))
-    with serve(app, http="h11") as gateway:
+    with serve(app, http=http) as gateway:
         wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         with httpx.stream("POST", gateway + CHAT, json=BODY) as response:
             received = b"".join(response.iter_raw())
         assert received == _expected(500)
         _streams_counted(gateway, "asgi", 1)
         assert 'writer="direct"' not in httpx.get(gateway + "/metrics").text
-
-
-def test_a_sink_is_only_made_over_uvicorns_httptools_cycle() -> None:
-    async def send(message: object) -> None:
-        pass
-
-    assert DirectSink.attach(send, lambda data: None) is None
-    assert DirectSink.attach(print, lambda data: None) is None
 
 
 def _dechunk(data: bytes) -> bytes:

@@ -6,6 +6,7 @@ below read nothing else, so each is testable without servers (issue 12).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import structlog
@@ -111,6 +112,10 @@ def learn_cost(cost_model: CostModel, record: ExchangeRecord) -> None:
 
 
 def log_exchange(record: ExchangeRecord) -> None:
+    if not log.is_enabled_for(logging.INFO):
+        # `--log-level warning` drops the access log; building the event anyway (thirteen
+        # fields, three roundings) cost 8% of a small request's CPU.
+        return
     ttft = record.ttft_s
     log.info(
         "request",

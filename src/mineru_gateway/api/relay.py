@@ -27,8 +27,8 @@ import structlog
 
 from mineru_gateway.api.accounting import ExchangeRecord, account
 from mineru_gateway.api.auth import upstream_authorization
+from mineru_gateway.api.connection import ClientLink, DirectSink
 from mineru_gateway.api.context import GatewayContext, gateway_context
-from mineru_gateway.api.direct import DirectSink
 from mineru_gateway.api.requests import (
     ClientDisconnected,
     Endpoint,
@@ -66,8 +66,11 @@ USAGE_MARKER = b'"usage":{'
 class Exchange:
     """Writes one client exchange and remembers what went out, to whom and when."""
 
-    def __init__(self, send: Send, request_id: str, endpoint: Endpoint) -> None:
+    def __init__(
+        self, send: Send, request_id: str, endpoint: Endpoint, link: ClientLink | None = None
+    ) -> None:
         self._send = send
+        self._link = link
         self.request_id = request_id
         self.endpoint = endpoint
         self.status: int | None = None
@@ -90,6 +93,13 @@ class Exchange:
     async def start(
         self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
     ) -> None:
+        headers = self._started(status, content_type, extra)
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    def _started(
+        self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None
+    ) -> list[tuple[bytes, bytes]]:
+        """Notes the answer's start; its headers."""
         self.status = status
         self.streaming = content_type.startswith("text/event-stream")
         headers = [
@@ -98,7 +108,7 @@ class Exchange:
         ]
         if extra:
             headers.extend(extra)
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        return headers
 
     async def chunk(self, data: bytes) -> None:
         self.note(data)
@@ -117,8 +127,8 @@ class Exchange:
             self.usage = _stream_usage(data) or self.usage
 
     def direct_sink(self) -> DirectSink | None:
-        """Where the rest of a started stream may be written below ASGI (api/direct.py)."""
-        return DirectSink.attach(self._send, self.note)
+        """Where the rest of a started stream may be written below ASGI (api/connection.py)."""
+        return self._link.sink(self.note) if self._link is not None else None
 
     def measure_gaps(self, series: Series) -> None:
         """From now on, every gap between chunks goes to `series` (inter-token latency)."""
@@ -136,10 +146,16 @@ class Exchange:
         body: bytes,
         extra: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
-        """A whole answer: sized, so that uvicorn sends it as it is, not in chunked framing."""
-        length = [(b"content-length", b"%d" % len(body))]
-        await self.start(status, content_type, length + extra if extra else length)
-        await self.finish(body)
+        """A whole answer, sized (not in chunked framing); in one write where the client's
+        connection has a link (api/connection.py)."""
+        if self._link is None:
+            length = [(b"content-length", b"%d" % len(body))]
+            await self.start(status, content_type, length + extra if extra else length)
+            await self.finish(body)
+            return
+        await self._link.respond(status, self._started(status, content_type, extra), body)
+        self.complete = True
+        self.finished = time.perf_counter()
 
     async def fail(self, error: GatewayError) -> None:
         """Reports `error` the only way still open: a JSON error before the headers went out, an
@@ -203,7 +219,8 @@ class Relay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         context = gateway_context(scope)
         headers = dict(scope["headers"])
-        exchange = Exchange(send, self._ids.take(headers), self.endpoint)
+        link = ClientLink.of(scope)
+        exchange = Exchange(send, self._ids.take(headers), self.endpoint, link)
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
@@ -232,6 +249,7 @@ class Relay:
                 self._proxy(context, request, admission, upstream_headers, exchange),
                 receive,
                 exchange,
+                link,
             )
         except ClientDisconnected:
             outcome = "client_disconnected"
@@ -357,26 +375,34 @@ async def _relay_response(
 
 
 async def _until_done_or_disconnect(
-    work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
+    work: Coroutine[Any, Any, None],
+    receive: Receive,
+    exchange: Exchange,
+    link: ClientLink | None,
 ) -> None:
     """Runs `work` in this task, cancelling it the moment the client disconnects.
 
     Cancelling closes the upstream connection (in `_attempt`'s `finally`), which is what makes
-    vLLM abort the generation and free its KV cache. Only the watcher of `receive` is a task of
-    its own: a second task for the work cost a task and a wait per request.
+    vLLM abort the generation and free its KV cache. The gateway's own server protocol reports
+    the loss through the client's link (api/connection.py); under any other server, a task
+    parked in `receive` watches for it.
     """
     task = asyncio.current_task()
     assert task is not None
     left = False
 
-    def on_disconnect(_: asyncio.Future[None]) -> None:
+    def on_disconnect(_: object = None) -> None:
         nonlocal left
         if not exchange.complete:  # the whole answer went out: nothing to stop
             left = True
             task.cancel()
 
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    watcher.add_done_callback(on_disconnect)
+    watcher: asyncio.Future[None] | None = None
+    if link is not None:
+        link.on_lost(on_disconnect)
+    else:
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        watcher.add_done_callback(on_disconnect)
     try:
         await work
     except asyncio.CancelledError:
@@ -384,8 +410,11 @@ async def _until_done_or_disconnect(
             raise ClientDisconnected from None
         raise
     finally:
-        watcher.remove_done_callback(on_disconnect)
-        watcher.cancel()
+        if watcher is not None:
+            watcher.remove_done_callback(on_disconnect)
+            watcher.cancel()
+        elif link is not None:
+            link.on_lost(None)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

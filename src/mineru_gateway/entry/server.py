@@ -17,6 +17,8 @@ from typing import Any
 import uvicorn
 import uvloop
 
+from mineru_gateway.api.connection import GatewayHttpProtocol
+
 
 class Server(uvicorn.Server):
     """A uvicorn server whose signal handling only requests shutdown."""
@@ -52,7 +54,7 @@ def make_server(
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=GatewayHttpProtocol,  # uvicorn's httptools protocol with the relay's seam
         lifespan="on",
         log_level=log_level,
         access_log=False,  # the gateway logs each request itself, with its request id

@@ -1,0 +1,142 @@
+"""The gateway's server protocol and the client link it hands the relay (api/connection.py), on a
+real uvicorn server: whole answers in one write that keep uvicorn's keep-alive, `Connection:
+close` and pipelining; a lost connection reported once, also to a late caller; no link under
+uvicorn's own protocols, and the relay's disconnect handling on both paths."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from mineru_gateway.api.app import create_app
+from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
+from mineru_gateway.config import GatewaySettings
+from tests.support.servers import serve, wait_until
+from tests.support.workers import Script
+
+
+class LinkApp:
+    """Answers every request through its link (the path in the body), or waits for the client
+    to leave when the path is /wait (/late: notices the loss first, then asks to be told)."""
+
+    def __init__(self) -> None:
+        self.links: list[ClientLink | None] = []
+        self.clients: list[Any] = []
+        self.lost = threading.Event()
+        self.lost_calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        link = ClientLink.of(scope)
+        self.links.append(link)
+        self.clients.append(scope["client"])
+        while (await receive()).get("more_body"):
+            pass
+        if link is None:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"asgi"})
+        elif scope["path"] == "/wait":
+            link.on_lost(self._on_lost)
+            await asyncio.sleep(30)
+        elif scope["path"] == "/late":
+            while not link.done:  # noqa: ASYNC110 - the loss has no event to wait on here
+                await asyncio.sleep(0.01)
+            link.on_lost(self._on_lost)
+        else:
+            headers = [(b"content-type", b"text/plain"), (b"x-path", scope["path"].encode())]
+            await link.respond(200, headers, scope["path"].encode())
+
+    def _on_lost(self) -> None:
+        self.lost_calls += 1
+        self.lost.set()
+
+
+@contextmanager
+def link_server(http: Any = GatewayHttpProtocol) -> Iterator[tuple[LinkApp, str]]:
+    app = LinkApp()
+    with serve(app, http=http, lifespan="off") as url:
+        yield app, url
+
+
+def _raw(url: str, data: bytes, timeout: float = 10.0) -> bytes:
+    """Sends `data` and reads until the server closes the connection."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as client:
+        client.sendall(data)
+        answer = bytearray()
+        while chunk := client.recv(65536):
+            answer += chunk
+    return bytes(answer)
+
+
+def test_whole_answers_through_the_link_keep_the_connection_alive() -> None:
+    with link_server() as (app, url), httpx.Client(base_url=url) as client:
+        answers = [client.post(f"/a{n}", content=b"x" * 10) for n in range(3)]
+    assert [(a.status_code, a.text, a.headers["x-path"]) for a in answers] == [
+        (200, f"/a{n}", f"/a{n}") for n in range(3)
+    ]
+    assert answers[0].headers["content-length"] == "3"
+    assert "transfer-encoding" not in answers[0].headers
+    assert answers[0].headers["server"] == "uvicorn"  # uvicorn's default headers kept
+    assert all(link is not None for link in app.links)
+    assert len(set(map(tuple, app.clients))) == 1  # one connection for all three
+
+
+def test_connection_close_is_honoured_and_pipelined_requests_answered_in_order() -> None:
+    requests = (
+        b"POST /first HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+        b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    with link_server() as (_, url):
+        answer = _raw(url, requests)  # returns only because the server closed the connection
+    first, second = answer.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert first.endswith(b"\r\n\r\n/first") and b"connection: close" not in first
+    assert second.endswith(b"\r\n\r\n/second") and b"connection: close\r\n" in second
+
+
+def test_a_lost_connection_is_reported_once_and_to_a_late_caller_at_once() -> None:
+    with link_server() as (app, url):
+        for path in ("/wait", "/late"):
+            app.lost.clear()
+            parts = urlsplit(url)
+            with socket.create_connection((parts.hostname, parts.port)) as client:
+                client.sendall(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+                )
+                wait_until(lambda: len(app.links) > 0 and app.links[-1] is not None, 5, "request")
+            assert app.lost.wait(5), path
+        assert app.lost_calls == 2
+
+
+def test_uvicorns_own_protocol_makes_no_link() -> None:
+    with link_server(http="httptools") as (app, url):
+        assert httpx.post(url + "/a").text == "asgi"
+    assert app.links == [None]
+
+
+@pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
+def test_a_client_leaving_cancels_the_worker_request_on_either_path(
+    scripted: tuple[Script, str], http: Any
+) -> None:
+    script, worker = scripted
+    script.mode = "hang"
+    app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2))
+    with serve(app, http=http) as gateway:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        body = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                gateway + "/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=0.3)
+            )
+        wait_until(lambda: script.cancelled == 1, 10, "the worker request cancelled")
+        in_flight = lambda: httpx.get(gateway + "/v1/workers").json()["workers"][0]["in_flight"]  # noqa: E731
+        wait_until(lambda: in_flight() == 0, 10, "in-flight released")
