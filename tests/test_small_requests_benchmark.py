@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from benchmarks.small_requests import (
+    CHAT,
     RESULT_MARK,
     Run,
     chat_body,
@@ -22,6 +26,8 @@ from benchmarks.small_requests import (
 )
 from benchmarks.small_requests.__main__ import groups, rotated
 from benchmarks.small_requests.upstream import answers
+
+from mineru_gateway.testing import free_port, wait_http_ok
 
 FIXTURES = Path(__file__).parent / "fixtures" / "small_requests"
 
@@ -166,3 +172,30 @@ def test_together_pairs_the_gateway_with_each_candidate() -> None:
     assert groups(args, 1) == [["gateway", "gateway@b"], ["gateway", "gateway@a"]]
     args.together = False
     assert groups(args, 0) == [["gateway"], ["gateway@a"], ["gateway@b"]]
+
+
+@pytest.mark.parametrize("mode", ["raw", "asgi"])
+def test_a_floor_relay_answers_what_the_upstream_answers(mode: str) -> None:
+    """The floors (benchmarks/small_requests/floors.py) measure relaying alone: they must relay."""
+    upstream_port, floor_port = free_port(), free_port()
+    python = [sys.executable, "-m"]
+    upstream = subprocess.Popen(
+        [*python, "benchmarks.small_requests.upstream", "--port", str(upstream_port)]
+    )
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    floor_args = ["--mode", mode, "--port", str(floor_port), "--upstreams", upstream_url]
+    floor = subprocess.Popen([*python, "benchmarks.small_requests.floors", *floor_args])
+    try:
+        floor_url = f"http://127.0.0.1:{floor_port}"
+        wait_http_ok(upstream_url + "/health", 20, upstream)
+        wait_http_ok(floor_url + "/health", 20, floor)
+        body = chat_body("tiny")
+        direct = httpx.post(upstream_url + CHAT, content=body)
+        with httpx.Client() as client:  # one kept-alive connection for both
+            relayed = [client.post(floor_url + CHAT, content=body) for _ in range(2)]
+        assert direct.status_code == 200 and direct.json()["model"] == "tiny"
+        assert [(r.status_code, r.content) for r in relayed] == [(200, direct.content)] * 2
+    finally:
+        for proc in (floor, upstream):
+            proc.terminate()
+            proc.wait(10)

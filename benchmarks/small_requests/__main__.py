@@ -42,7 +42,15 @@ from . import (
     wrk_script,
 )
 
-PROXIES = ("gateway", "gateway-processes", "vllm-router", "nginx", "dp-balancer")
+PROXIES = (
+    "gateway",
+    "gateway-processes",
+    "vllm-router",
+    "nginx",
+    "dp-balancer",
+    "floor-asgi",
+    "floor-raw",
+)
 VLLM_ROUTER_VENV = Path.home() / ".cache/mineru-gateway/vllm-router-0.1.17"
 
 
@@ -107,6 +115,10 @@ class Bench:
             return fleet.ROUTERS["vllm_router_rr"].argv(port, up, settings), {}, "/health"
         if name == "dp-balancer":
             return fleet.ROUTERS["vllm_dp"].argv(port, up, fleet.RouterSettings()), {}, "/ready"
+        if name.startswith("floor-"):
+            mode = name.removeprefix("floor-")
+            floors = [sys.executable, "-m", "benchmarks.small_requests.floors", "--mode", mode]
+            return [*floors, "--port", str(port), "--upstreams", ",".join(up)], {}, "/health"
         if name == "nginx":
             directory = self.procs.log_dir / "nginx"
             directory.mkdir(exist_ok=True)
@@ -237,7 +249,10 @@ def notes(args: argparse.Namespace) -> list[str]:
         "gateway: `serve --workers U1,U2 --log-level warning`; gateway-processes: the same with "
         "`--processes 2`; vllm-router: `--policy round_robin --disable-retries`; nginx: one worker "
         "process, keepalive 128 to the upstreams, no access log; dp-balancer: "
-        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp).",
+        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp); floor-asgi and "
+        "floor-raw: benchmarks/small_requests/floors.py, relays with nothing but relaying over "
+        "the gateway's own client (a raw ASGI app on uvicorn; an asyncio protocol over "
+        "httptools).",
         *(f"gateway@{name}: the gateway from {src}/src" for name, src in args.candidates.items()),
     ]
 

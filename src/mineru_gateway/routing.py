@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
+STALE_AFTER_S = 1.0  # worker figures older than this are ignored, by default
 RoutingPolicyName = Literal["queue", "p2c", "least_inflight", "round_robin"]
 POLICY_NAMES: tuple[RoutingPolicyName, ...] = get_args(RoutingPolicyName)
 
@@ -107,7 +108,7 @@ class RoundRobin:
 class LoadModel:
     """How a worker's view becomes one number: lower is better."""
 
-    stale_after_s: float = 1.0  # older worker figures are ignored (own counts only)
+    stale_after_s: float = STALE_AFTER_S  # older worker figures are ignored (own counts only)
     kv_avoid_above: float = 0.95  # such workers are skipped while any other can serve
     kv_penalty_from: float = 0.8  # from here the score grows, up to 3x at a full cache
     waiting_weight: float = 1.0  # extra slots per request the worker reports waiting

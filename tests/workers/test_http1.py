@@ -130,6 +130,26 @@ async def test_the_request_carries_its_line_host_length_headers_and_body() -> No
     )
 
 
+async def test_a_body_already_in_is_whole_at_once_and_one_still_coming_is_not() -> None:
+    rest = asyncio.Event()
+
+    async def in_two_parts(
+        _: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes
+    ) -> None:
+        writer.write(STREAM + chunk(b"a"))
+        await rest.wait()
+        writer.write(chunk(b"b") + b"0\r\n\r\n")
+
+    async with worker(writes(OK)) as (url, _), pool() as connections:
+        answer = await connections.request("GET", url + "/", {}, b"", 2)
+        assert answer.whole() == b"{}"  # headers and body came in one read
+    async with worker(in_two_parts) as (url, _), pool() as connections:
+        answer = await connections.request("GET", url + "/", {}, b"", 2)
+        assert answer.whole() is None  # not ended: the caller must wait with read()
+        rest.set()
+        assert await answer.read() == b"ab"
+
+
 async def test_an_answer_closed_before_its_end_drops_its_connection() -> None:
     """How a worker learns that nobody waits for its generation any more."""
     stream = writes(STREAM, chunk(b"data: 0\n\n"))

@@ -177,3 +177,37 @@ async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_on
     assert first.itl_s == pytest.approx(0.02)  # (3.0 - 1.0) / (200 - 100)
     assert registry.readings(max_age_s=0.3) == {"http://a:1": Reading(first.scrape.load, now - 0.2)}
     assert registry.readings(max_age_s=0.1) == {}
+
+
+def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
+    registry = WorkerRegistry(
+        ["http://a:1", "http://b:1"],
+        UpstreamClient(Timeouts(1, 1, 1)),
+        RoundRobin(),
+        stale_after_s=0.3,
+    )
+    a, b = registry.workers
+    a.healthy = b.healthy = True
+    a.models = {"m": {"id": "m"}}
+    first = registry.views()
+    assert registry.views()[0] is first[0] and registry.views()[1] is first[1]
+
+    with registry.lease(a, Cost(prefill=0.1, hold=1.0)):
+        leased = registry.views()
+        assert leased[0].in_flight == 1 and leased[1] is first[1]  # only a's view is new
+    assert registry.views()[0].in_flight == 0
+
+    a.models = {"m": {"id": "m"}, "n": {"id": "n"}}
+    assert registry.views()[0].models == {"m", "n"}
+    registry.drain(b.url)
+    assert registry.views()[1].healthy is False
+    registry.undrain(b.url)
+
+    reading = Scrape(VllmLoad(2, 5, 0.4, 0.0, 0.0), time.monotonic(), 0)
+    a.scrape = reading
+    fresh = registry.views()[0]
+    assert fresh.reported is not None and fresh.reported.running == 5
+    assert fresh.reported.age_s < 0.3 and registry.views()[0] is fresh
+    time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt with their age
+    stale = registry.views()[0]
+    assert stale is not fresh and stale.reported is not None and stale.reported.age_s > 0.3

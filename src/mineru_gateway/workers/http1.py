@@ -125,6 +125,15 @@ class Answer:
                 self._connection.resume_reading()
         return data
 
+    def whole(self) -> bytes | None:
+        """The whole body if all of it has already arrived (no waiting), else None."""
+        if not self.ended or self._error is not None:
+            return None
+        data = b"".join(self._buffered)
+        self._buffered.clear()
+        self._buffered_bytes = 0
+        return data
+
     async def read(self) -> bytes:
         """The whole body."""
         parts = []

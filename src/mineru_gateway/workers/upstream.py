@@ -123,6 +123,9 @@ class UpstreamResponse:
         return self.content_type.startswith("text/event-stream")
 
     async def read(self) -> bytes:
+        whole = self._answer.whole()
+        if whole is not None:
+            return whole  # a small answer usually arrives with its headers: no timer needed
         deadline = Deadline(self._timeouts.first_byte_s)  # cheaper than asyncio.timeout
         try:
             return await self._answer.read()
