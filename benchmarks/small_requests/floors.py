@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import uvicorn
@@ -60,8 +60,7 @@ class RawProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
