@@ -6,6 +6,7 @@ uvicorn's own protocols, and the relay's disconnect handling on both paths."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 from collections.abc import Iterator
@@ -140,3 +141,29 @@ def test_a_client_leaving_cancels_the_worker_request_on_either_path(
         wait_until(lambda: script.cancelled == 1, 10, "the worker request cancelled")
         in_flight = lambda: httpx.get(gateway + "/v1/workers").json()["workers"][0]["in_flight"]  # noqa: E731
         wait_until(lambda: in_flight() == 0, 10, "in-flight released")
+
+
+def test_the_gateways_requests_leave_no_reference_cycles(
+    scripted: tuple[Script, str], start_gateway: Any
+) -> None:
+    """Each request's objects must be freed by reference counting: a cycle per request (the
+    link and its cycle's scope once held each other) left them to the cyclic collector, whose
+    collections cost more CPU than the link saved."""
+    _, worker = scripted
+    gateway = start_gateway([worker])
+    body = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
+    ours = {"ClientLink", "RequestResponseCycle", "Exchange", "Answer", "Lease", "Grant"}
+    with httpx.Client(base_url=gateway) as client:
+        client.post("/v1/chat/completions", json=body)  # warm: first-use caches
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for stream in (False, True) * 10:
+                answer = client.post("/v1/chat/completions", json=body | {"stream": stream})
+                assert answer.status_code == 200
+            gc.collect()
+            cyclic = {type(thing).__qualname__ for thing in gc.garbage} & ours
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert cyclic == set()
