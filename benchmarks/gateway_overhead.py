@@ -76,6 +76,7 @@ class RunResult:
     relayed_events: int = 0
     relayed_requests: int = 0
     gateway_cpu_s: float | None = None
+    gateway_wall_s: float | None = None  # how long its CPU was read over (the whole run)
     gateway_cpu_us_per_event: float | None = None
     gateway_cpu_us_per_request: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -320,14 +321,15 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "vllm-router": [fleet.router_url],
         }[mode]
         proxy_pid = fleet.pid_of(mode)
-        cpu_before = tree_cpu_seconds(proxy_pid)
+        cpu_before, started = tree_cpu_seconds(proxy_pid), time.monotonic()
         samples, errors, window = await closed_loop(
             targets, concurrency, body, args.warmup, args.duration
         )
         cpu = tree_cpu_seconds(proxy_pid) - cpu_before
+        wall = time.monotonic() - started
         result = summarise(mode, concurrency, samples, errors, window)
         if mode != "direct":
-            result.gateway_cpu_s = cpu
+            result.gateway_cpu_s, result.gateway_wall_s = cpu, wall
             result.gateway_cpu_us_per_event = cpu / max(1, result.relayed_events) * 1e6
             result.gateway_cpu_us_per_request = cpu / max(1, result.relayed_requests) * 1e6
         results.append(result)
@@ -354,10 +356,14 @@ def median_run(runs: list[RunResult]) -> RunResult:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
-def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, Any]]:
+def compare(
+    results: list[RunResult], proxy: str = "gateway", idle: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
     """`proxy` against direct calls, per concurrency (median-throughput runs); its CPU also
     against the bare proxy's when that mode ran (the cheapest relay: what the gateway's routing,
-    metrics and error handling cost on top)."""
+    metrics and error handling cost on top). With `idle` (ms of CPU a second with no traffic,
+    `idle_cost`), also its CPU per event net of that: what one more event costs, without the
+    fixed cost of polling the workers, which a low event rate spreads over few events."""
     rows = []
     grouped: dict[tuple[str, int], list[RunResult]] = {}
     for result in results:
@@ -381,9 +387,21 @@ def compare(results: list[RunResult], proxy: str = "gateway") -> list[dict[str, 
                 "gateway_cpu_us_per_event": via.gateway_cpu_us_per_event,
                 "gateway_cpu_us_per_request": via.gateway_cpu_us_per_request,
                 "cpu_over_bare_proxy": cpu_over_bare,
+                "gateway_cpu_us_per_event_net_of_idle": _net_cpu_per_event(
+                    grouped[proxy, concurrency], (idle or {}).get(proxy)
+                ),
             }
         )
     return rows
+
+
+def _net_cpu_per_event(runs: list[RunResult], idle_ms_per_s: float | None) -> float | None:
+    if idle_ms_per_s is None or any(r.gateway_wall_s is None for r in runs):
+        return None
+    cpu = sum(
+        (r.gateway_cpu_s or 0.0) - idle_ms_per_s / 1000 * (r.gateway_wall_s or 0.0) for r in runs
+    )
+    return cpu / max(1, sum(r.relayed_events for r in runs)) * 1e6
 
 
 def _cpu_per_event(runs: list[RunResult]) -> float:
@@ -462,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         results = uvloop.run(measure(args, fleet))
     finally:
         fleet.stop()
-    summary = [row for mode in PROXIES for row in compare(results, mode)]
+    summary = [row for mode in PROXIES for row in compare(results, mode, idle)]
     for mode, cost in idle.items():
         print(f"{mode} idle: {cost:.1f} ms of CPU a second")
     for row in summary:
@@ -473,6 +491,11 @@ def main(argv: list[str] | None = None) -> None:
             f"added TTFT p50 {row['added_ttft_p50_ms']:+.1f} ms, "
             f"p99 {row['added_ttft_p99_ms']:+.1f} ms"
             + (f", CPU per event {over_bare:.2f}x the bare proxy's" if over_bare else "")
+            + (
+                f", {net:.1f} us/event net of idle"
+                if (net := row["gateway_cpu_us_per_event_net_of_idle"])
+                else ""
+            )
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

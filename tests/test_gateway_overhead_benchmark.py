@@ -9,7 +9,15 @@ import subprocess
 import sys
 
 import orjson
-from benchmarks.gateway_overhead import Fleet, closed_loop, idle_cost, summarise
+import pytest
+from benchmarks.gateway_overhead import (
+    Fleet,
+    RunResult,
+    closed_loop,
+    compare,
+    idle_cost,
+    summarise,
+)
 
 from mineru_gateway.sim.config import DEFAULT_MODEL_NAME
 from tests.conftest import StartSim
@@ -55,3 +63,21 @@ def test_idle_cost_is_each_proxys_cpu_milliseconds_a_second() -> None:
         idle.wait()
     assert set(costs) == {"gateway", "vllm-router"}  # direct is no proxy
     assert costs["vllm-router"] < 50 < 300 < costs["gateway"] <= 1100
+
+
+def _run(mode: str, cpu_s: float | None, wall_s: float | None, events: int) -> RunResult:
+    return RunResult(
+        mode, 64, 10.0, 10, events, 1.0, 100.0, 1.0, 2.0, 3.0, 0, events, 10, cpu_s, wall_s
+    )
+
+
+def test_cpu_per_event_net_of_idle_takes_the_idle_rate_off_each_runs_whole_time() -> None:
+    runs = [
+        _run("direct", None, None, 1000),
+        _run("gateway", 0.05, 20.0, 1000),  # 50 ms over 20 s, 10 of them idle cost
+        _run("gateway", 0.07, 20.0, 2000),
+    ]
+    [row] = compare(runs, "gateway", {"gateway": 0.5})
+    assert row["gateway_cpu_us_per_event_net_of_idle"] == pytest.approx((0.12 - 0.02) / 3000 * 1e6)
+    [without] = compare(runs, "gateway")
+    assert without["gateway_cpu_us_per_event_net_of_idle"] is None
