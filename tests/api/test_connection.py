@@ -33,6 +33,7 @@ class LinkApp:
         self.clients: list[Any] = []
         self.lost = threading.Event()
         self.lost_calls = 0
+        self.sinks: list[Any] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -52,6 +53,8 @@ class LinkApp:
             while not link.done:  # noqa: ASYNC110 - the loss has no event to wait on here
                 await asyncio.sleep(0.01)
             link.on_lost(self._on_lost)
+            await link.respond(200, [], b"too late")  # to no one: nothing written, no error
+            self.sinks.append(link.sink(lambda data: None))
         else:
             headers = [(b"content-type", b"text/plain"), (b"x-path", scope["path"].encode())]
             await link.respond(200, headers, scope["path"].encode())
@@ -116,6 +119,7 @@ def test_a_lost_connection_is_reported_once_and_to_a_late_caller_at_once() -> No
                 wait_until(lambda: len(app.links) > 0 and app.links[-1] is not None, 5, "request")
             assert app.lost.wait(5), path
         assert app.lost_calls == 2
+        wait_until(lambda: app.sinks == [None], 5, "the late request answered to no one")
 
 
 def test_uvicorns_own_protocol_makes_no_link() -> None:

@@ -90,8 +90,11 @@ class ClientLink:
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole answer, sized, in one write: what uvicorn's `send` does for a start and a
-        last body message, without the two messages and the second write."""
+        last body message, without the two messages and the second write. Nothing is written
+        to a connection that is gone, as with uvicorn's `send`."""
         cycle = self._cycle
+        if cycle is None:
+            return
         if cycle.flow.write_paused and not cycle.disconnected:
             await cycle.flow.drain()
         if cycle.disconnected:
@@ -119,9 +122,10 @@ class ClientLink:
             cycle.transport.close()
         cycle.on_response()
 
-    def sink(self, note: Callable[[bytes], None]) -> DirectSink:
-        """Where a stream's body may be written once its answer has started through `send`."""
-        return DirectSink(self._cycle, note)
+    def sink(self, note: Callable[[bytes], None]) -> DirectSink | None:
+        """Where a stream's body may be written once its answer has started through `send`;
+        None once the connection is gone."""
+        return None if self._cycle is None else DirectSink(self._cycle, note)
 
 
 class DirectSink:
