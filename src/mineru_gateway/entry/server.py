@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Generator
@@ -21,9 +22,18 @@ from mineru_gateway.api.connection import GatewayHttpProtocol
 
 
 class Server(uvicorn.Server):
-    """A uvicorn server whose signal handling only requests shutdown."""
+    """A uvicorn server whose signal handling only requests shutdown, and which freezes what
+    its startup made once it is listening."""
 
     on_signal: Callable[[], None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # Everything alive now (modules, the app, its settings, pools and metrics) lives as
+        # long as the process: moved out of the collector's generations, full collections no
+        # longer walk it on every run. 6% of a small request's CPU (docs/proxy-costs.md).
+        gc.collect()
+        gc.freeze()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
