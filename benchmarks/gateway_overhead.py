@@ -396,16 +396,18 @@ def compare(
 
 
 def _net_cpu_per_event(runs: list[RunResult], idle_ms_per_s: float | None) -> float | None:
+    """Microseconds; None without an idle figure or a run's length."""
     if idle_ms_per_s is None or any(r.gateway_wall_s is None for r in runs):
         return None
+    return _cpu_per_event(runs, idle_ms_per_s) * 1e6
+
+
+def _cpu_per_event(runs: list[RunResult], idle_ms_per_s: float = 0.0) -> float:
+    """Seconds of the runs' CPU per relayed event, less `idle_ms_per_s` over their length."""
     cpu = sum(
         (r.gateway_cpu_s or 0.0) - idle_ms_per_s / 1000 * (r.gateway_wall_s or 0.0) for r in runs
     )
-    return cpu / max(1, sum(r.relayed_events for r in runs)) * 1e6
-
-
-def _cpu_per_event(runs: list[RunResult]) -> float:
-    return sum(r.gateway_cpu_s or 0.0 for r in runs) / max(1, sum(r.relayed_events for r in runs))
+    return cpu / max(1, sum(r.relayed_events for r in runs))
 
 
 async def idle_cost(fleet: Fleet, modes: list[str], seconds: float) -> dict[str, float]:

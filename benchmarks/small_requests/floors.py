@@ -18,13 +18,14 @@ import argparse
 import asyncio
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
-import httptools
 import uvicorn
 import uvloop
 
 from mineru_gateway.workers.http1 import Http1Pool
+
+from .upstream import HttpProtocol, serve_forever
 
 CHAT = "/v1/chat/completions"
 HEADERS = {"Content-Type": "application/json"}
@@ -52,43 +53,25 @@ def head(status: int, length: int) -> bytes:
     )
 
 
-class RawProtocol(asyncio.Protocol):
+class RawProtocol(HttpProtocol):
     def __init__(self, relay: Relay) -> None:
+        super().__init__()
         self._relay = relay
-        self._parser = httptools.HttpRequestParser(self)
-        self._transport: asyncio.Transport | None = None
         self._body: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self._transport is not None:
-                self._transport.close()
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         body, self._body = b"".join(self._body), []
-        if self._parser.get_method() != b"POST":
-            self._write(head(200, 2) + b"{}")
+        if self.parser.get_method() != b"POST":
+            self.write(head(200, 2) + b"{}")
             return
         asyncio.get_running_loop().create_task(self._answer(body))
 
     async def _answer(self, body: bytes) -> None:
         status, data = await self._relay.relay(body)
-        self._write(head(status, len(data)) + data)
-
-    def _write(self, data: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
+        self.write(head(status, len(data)) + data)
 
 
 def asgi_app(relay: Relay) -> Any:
@@ -112,13 +95,6 @@ def asgi_app(relay: Relay) -> Any:
     return app
 
 
-async def serve_raw(port: int, relay: Relay) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: RawProtocol(relay), "127.0.0.1", port, backlog=4096)
-    async with server:
-        await server.serve_forever()
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("raw", "asgi"), required=True)
@@ -127,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     relay = Relay(args.upstreams.split(","))
     if args.mode == "raw":
-        uvloop.run(serve_raw(args.port, relay))
+        uvloop.run(serve_forever(lambda: RawProtocol(relay), args.port))
     else:
         uvicorn.run(
             asgi_app(relay),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httptools
@@ -47,18 +47,19 @@ def answers(model: str) -> dict[tuple[bytes, bytes], bytes]:
 NOT_FOUND = response(b"404 Not Found", b"application/json", b'{"detail":"Not Found"}')
 
 
-class Upstream(asyncio.Protocol):
-    """One keep-alive connection: each complete request gets its canned answer."""
+class HttpProtocol(asyncio.Protocol):
+    """A connection parsed by httptools; subclasses answer in `on_message_complete`."""
 
-    def __init__(self, table: dict[tuple[bytes, bytes], bytes]) -> None:
-        self.table = table
+    def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.WriteTransport | None = None
-        self.path = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCP transport is not an asyncio.Transport subclass; it does write().
         self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -67,22 +68,40 @@ class Upstream(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
 
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+async def serve_forever(
+    factory: Callable[[], asyncio.Protocol], port: int, backlog: int = 4096
+) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(factory, "127.0.0.1", port, backlog=backlog)
+    async with server:
+        await server.serve_forever()
+
+
+class Upstream(HttpProtocol):
+    """One keep-alive connection: each complete request gets its canned answer."""
+
+    def __init__(self, table: dict[tuple[bytes, bytes], bytes]) -> None:
+        super().__init__()
+        self.table = table
+        self.path = b""
+
     def on_url(self, url: bytes) -> None:
         self.path += url
 
     def on_message_complete(self) -> None:
         method, path = self.parser.get_method(), self.path.split(b"?", 1)[0]
         self.path = b""
-        if self.transport is not None:
-            self.transport.write(self.table.get((method, path), NOT_FOUND))
+        self.write(self.table.get((method, path), NOT_FOUND))
 
 
 async def serve(port: int, model: str) -> None:
     table = answers(model)
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Upstream(table), "127.0.0.1", port, backlog=1024)
-    async with server:
-        await server.serve_forever()
+    await serve_forever(lambda: Upstream(table), port, backlog=1024)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

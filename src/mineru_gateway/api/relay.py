@@ -410,11 +410,11 @@ async def _until_done_or_disconnect(
             raise ClientDisconnected from None
         raise
     finally:
-        if watcher is not None:
+        if link is not None:
+            link.on_lost(None)
+        elif watcher is not None:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
-        elif link is not None:
-            link.on_lost(None)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

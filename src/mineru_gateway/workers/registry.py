@@ -93,6 +93,9 @@ class Scrape(Reading):
     own_in_flight: int
 
 
+_BuiltView = tuple[WorkerView, Scrape | None, dict[str, dict[str, Any]], float]
+
+
 @dataclass(slots=True)
 class Worker:
     """Mutable state of one worker, owned by the registry (one event loop, no locks needed)."""
@@ -110,12 +113,9 @@ class Worker:
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
-    # The last view built (see `view`), with what it was built from that equality cannot check.
-    _view: WorkerView | None = field(default=None, repr=False, compare=False)
-    _view_of: tuple[Scrape | None, dict[str, dict[str, Any]]] | None = field(
-        default=None, repr=False, compare=False
-    )
-    _view_until: float = field(default=0.0, repr=False, compare=False)
+    # The last view built (see `view`), the reading and models it was built from (compared by
+    # identity) and until when its reading's freshness holds.
+    _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     @property
     def routable(self) -> bool:
@@ -139,20 +139,20 @@ class Worker:
         they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
         until then "fresh" is the right answer, from then on "stale".
         """
-        view = self._view
-        if (
-            view is not None
-            and now < self._view_until
-            and view.in_flight == self.in_flight
-            and view.own_cost == self.own_cost
-            and view.healthy == self.routable
-            and view.slowness == slowness
-            and view.batch_limit == batch_limit
-            and self._view_of is not None
-            and self._view_of[0] is self.scrape
-            and self._view_of[1] is self.models
-        ):
-            return view
+        built = self._view
+        if built is not None:
+            view, scrape, models, until = built
+            if (
+                now < until
+                and scrape is self.scrape
+                and models is self.models
+                and view.in_flight == self.in_flight
+                and view.own_cost == self.own_cost
+                and view.healthy == self.routable
+                and view.slowness == slowness
+                and view.batch_limit == batch_limit
+            ):
+                return view
         reported = self.reported(now)
         view = WorkerView(
             name=self.url,
@@ -165,9 +165,9 @@ class Worker:
             batch_limit=batch_limit,
         )
         scrape = self.scrape
-        self._view, self._view_of = view, (scrape, self.models)
         fresh = reported is not None and reported.age_s <= stale_after_s
-        self._view_until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
+        until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
+        self._view = (view, scrape, self.models, until)
         return view
 
     def describe(self, now: float) -> dict[str, Any]:
