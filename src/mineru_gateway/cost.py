@@ -22,14 +22,14 @@ Flow control (flow.py) shares the tenants' fleet on the same estimate.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from mineru_gateway.prompts import PromptEstimate
+from mineru_gateway.values import value
 
 ClassKey = tuple[str, str, bool]
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Cost:
     """Estimated cost in batch slots: `prefill` until the first byte, `hold` until the end."""
 
@@ -41,7 +41,7 @@ class Cost:
         return self.prefill + self.hold
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class CostInputs:
     model: str
     prompt: PromptEstimate

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from mineru_gateway.routing import LoadModel, WorkerView
+from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 
 # -- room on workers ----------------------------------------------------------------------------
 
@@ -60,11 +60,7 @@ class RoomPolicy:
 
     def occupied(self, view: WorkerView) -> float:
         """This gateway's requests on the worker plus those it reports beyond them."""
-        reported = self.load.fresh(view)
-        external = 0.0
-        if reported is not None:
-            external = max(0.0, reported.running + reported.waiting - reported.own_at_scrape)
-        return view.in_flight + external
+        return view.in_flight + _external(self.load.fresh(view))
 
     def has_room(self, view: WorkerView) -> bool:
         if not view.healthy:
@@ -73,10 +69,17 @@ class RoomPolicy:
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
         batch, headroom = self.limit(view)
-        return self.occupied(view) < batch + headroom
+        return view.in_flight + _external(reported) < batch + headroom
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
+
+
+def _external(reported: ReportedLoad | None) -> float:
+    """Requests a worker reported beyond this gateway's own (other gateways', direct ones)."""
+    if reported is None:
+        return 0.0
+    return max(0.0, reported.running + reported.waiting - reported.own_at_scrape)
 
 
 # -- tenants and tickets ------------------------------------------------------------------------

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from mineru_gateway import images
 from mineru_gateway.images import data_url_payload
+from mineru_gateway.values import value
 
 PATCH_PIXELS = 28  # Qwen2-VL: 14-pixel patches, merged 2x2 into one token
 IMAGE_MIN_PIXELS = 4 * PATCH_PIXELS * PATCH_PIXELS
@@ -102,7 +102,7 @@ def smart_resize(width: int, height: int) -> tuple[int, int]:
     return w, h
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class PromptEstimate:
     """A prompt as far as cost goes: its tokens, its MinerU task, whether it has images."""
 

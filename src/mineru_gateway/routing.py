@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
+from mineru_gateway.values import value
+
 STALE_AFTER_S = 1.0  # worker figures older than this are ignored, by default
 RoutingPolicyName = Literal["queue", "p2c", "least_inflight", "round_robin"]
 POLICY_NAMES: tuple[RoutingPolicyName, ...] = get_args(RoutingPolicyName)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class ReportedLoad:
     """A worker's own queue, as its `/metrics` said `age_s` seconds ago."""
 
@@ -43,7 +45,7 @@ class ReportedLoad:
     own_at_scrape: int  # this gateway's in-flight requests on the worker when it was scraped
 
 
-@dataclass(frozen=True, slots=True)
+@value  # immutable (to mypy), and cheap to build: one per worker that changed, per request
 class WorkerView:
     """What a policy may know about one worker at the moment of a decision."""
 
@@ -73,6 +75,8 @@ def candidates_for(
 ) -> list[WorkerView]:
     """The healthy workers that serve `model`, minus those already tried (`exclude`)."""
     tried = frozenset(exclude)
+    if not tried:  # the first attempt: every request's
+        return [v for v in views if v.healthy and (model is None or model in v.models)]
     return [v for v in views if v.healthy and v.serves(model) and v.name not in tried]
 
 
@@ -171,10 +175,11 @@ class PowerOfTwoChoices:
 def _lowest(
     views: Sequence[WorkerView], score: Callable[[WorkerView], float], rng: random.Random
 ) -> WorkerView:
-    scored = [(score(view), view) for view in views]
-    best = min(value for value, _ in scored)
+    scores = [score(view) for view in views]
     # Relative tolerance: float noise must not defeat random tie-breaking.
-    return rng.choice([view for value, view in scored if value <= best * (1 + 1e-9)])
+    bound = min(scores) * (1 + 1e-9)
+    ties = [view for view, value in zip(views, scores, strict=True) if value <= bound]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 def make_policy(name: str, model: LoadModel | None = None) -> RoutingPolicy:

@@ -87,6 +87,21 @@ def test_deep_json_at_the_limit_passes() -> None:
     assert refusal(RequestLimits(max_json_depth=8), nested(9)).reason == "json_too_deep"
 
 
+@pytest.mark.parametrize("depth", [8, 9])
+def test_depth_is_judged_the_same_with_the_text_it_was_parsed_from(depth: int) -> None:
+    """With its JSON text, the walk is skipped only where the brackets cannot reach the limit;
+    brackets inside strings make it walk, and never refuse a shallow request."""
+    limits = RequestLimits(max_json_depth=8)
+    deep = orjson.dumps(nested(depth))
+    if depth == 8:
+        limits.check_payload(orjson.loads(deep), deep)
+    else:
+        with pytest.raises(InvalidRequest, match="deeper than 8"):
+            limits.check_payload(orjson.loads(deep), deep)
+    shallow = orjson.dumps(chat(extra="[[[[{{{{[[[[{{{{"))
+    limits.check_payload(orjson.loads(shallow), shallow)
+
+
 def test_the_image_message_says_what_is_wrong() -> None:
     error = refusal(RequestLimits(), chat(image(page(1, 10_000))))
     assert "1x10000" in error.message and "10000 to 1" in error.message

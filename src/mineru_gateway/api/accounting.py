@@ -7,19 +7,19 @@ below read nothing else, so each is testable without servers (issue 12).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import structlog
 
 from mineru_gateway.cost import CostInputs, CostModel
 from mineru_gateway.metrics import GatewayMetrics
+from mineru_gateway.values import value
 
 log = structlog.get_logger("mineru_gateway.access")
 
 CLIENT_CLOSED = 499  # nginx's status for "the client went away before an answer"
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class ExchangeRecord:
     """One finished client exchange. Times are `time.perf_counter()` readings."""
 

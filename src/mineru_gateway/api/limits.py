@@ -60,9 +60,15 @@ class RequestLimits:
                 f"{self.max_header_bytes} (MINERU_GATEWAY_MAX_HEADER_BYTES)"
             )
 
-    def check_payload(self, payload: dict[str, Any]) -> None:
-        """The parsed body: depth first (the other checks walk it), then counts and images."""
-        _check_depth(payload, self.max_json_depth)
+    def check_payload(self, payload: dict[str, Any], text: bytes | None = None) -> None:
+        """The parsed body: depth first (the other checks walk it), then counts and images.
+
+        `text`, the JSON the payload was parsed from, spares the depth walk when it holds no
+        more brackets than the depth limit: each level of nesting needs one (brackets inside
+        strings only add to the count). Page images are base64, which has none.
+        """
+        if text is None or text.count(b"[") + text.count(b"{") > self.max_json_depth:
+            _check_depth(payload, self.max_json_depth)
         messages = payload.get("messages")
         if isinstance(messages, list):
             self._check_messages(messages)
@@ -78,6 +84,8 @@ class RequestLimits:
                 code="too_many_messages",
             )
         parts = list(_content_parts(messages))
+        if not parts:
+            return  # text only (every content a string): no parts, no images
         if len(parts) > self.max_content_parts:
             raise InvalidRequest(
                 f"the request has {len(parts)} content parts; this gateway accepts at most "

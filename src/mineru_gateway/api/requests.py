@@ -8,7 +8,7 @@ The body is forwarded byte for byte: fields it does not know (`vllm_xargs`, `top
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import orjson
@@ -18,6 +18,7 @@ from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import estimate_chat, estimate_completion
+from mineru_gateway.values import value
 
 DATA_ONLY = MediaPolicy()
 DEFAULT_LIMITS = RequestLimits()
@@ -25,7 +26,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Endpoint = Literal["chat", "completions"]
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class ParsedRequest:
     endpoint: Endpoint
     body: bytes
@@ -75,7 +76,7 @@ def parse_request(
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
-    limits.check_payload(payload)
+    limits.check_payload(payload, body)
     if endpoint == "chat":
         messages = _check_messages(payload.get("messages"))
         media.check_messages(messages)

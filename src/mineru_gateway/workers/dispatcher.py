@@ -18,16 +18,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
 from mineru_gateway.routing import WorkerView, candidates_for
+from mineru_gateway.values import value
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Admission:
     """What a request brings to the queue."""
 

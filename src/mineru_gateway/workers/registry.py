@@ -139,13 +139,12 @@ class Worker:
         they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
         until then "fresh" is the right answer, from then on "stale".
         """
-        built = self._view
-        if built is not None:
-            view, scrape, models, until = built
+        scrape, built = self.scrape, self._view
+        if built is not None and now < built[3] and built[1] is scrape:
+            view, _, seen_models, until = built
+            same_models = seen_models is self.models
             if (
-                now < until
-                and scrape is self.scrape
-                and models is self.models
+                same_models
                 and view.in_flight == self.in_flight
                 and view.own_cost == self.own_cost
                 and view.healthy == self.routable
@@ -153,20 +152,25 @@ class Worker:
                 and view.batch_limit == batch_limit
             ):
                 return view
-        reported = self.reported(now)
+            # Under load only the counts change, on every request: the same reading (its age
+            # as of the last build, as above) goes into the new view.
+            reported = view.reported
+            models = view.models if same_models else frozenset(self.models)
+        else:
+            reported = self.reported(now)
+            models = frozenset(self.models)
+            fresh = reported is not None and reported.age_s <= stale_after_s
+            until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
         view = WorkerView(
-            name=self.url,
-            healthy=self.routable,
-            in_flight=self.in_flight,
-            models=frozenset(self.models),
-            own_cost=self.own_cost,
-            reported=reported,
-            slowness=slowness,
-            batch_limit=batch_limit,
+            self.url,
+            self.routable,
+            self.in_flight,
+            models,
+            self.own_cost,
+            reported,
+            slowness,
+            batch_limit,
         )
-        scrape = self.scrape
-        fresh = reported is not None and reported.age_s <= stale_after_s
-        until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
         self._view = (view, scrape, self.models, until)
         return view
 
