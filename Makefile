@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
-	bench-thirdparty bench-memory bench-small-requests \
+	bench-thirdparty bench-memory bench-small-requests bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router clean
 
@@ -128,6 +128,15 @@ bench-small-requests: install vllm-router
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
 	$(BIN)/python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
+
+## The gateway's own work per small request, its app called in-process against instant upstreams:
+## CPU and instructions per request (valgrind's callgrind: the same on every run, for comparing
+## changes; about 5 minutes). Results: benchmarks/results/request_path.*
+bench-request-path: install
+	@command -v valgrind >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends valgrind >/dev/null; }
+	$(BIN)/python -m benchmarks.request_path --instructions --out benchmarks/results/request_path.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from mineru_gateway.prompts import PromptEstimate
+from mineru_gateway.prompts import PromptEstimate, PromptKind
 from mineru_gateway.values import value
 
-ClassKey = tuple[str, str, bool]
+ClassKey = tuple[str, PromptKind, bool]
 
 
 @value
@@ -50,7 +50,8 @@ class CostInputs:
 
     @property
     def key(self) -> ClassKey:
-        return (self.model, self.prompt.kind.value, self.prompt.has_image)
+        # The member, not its `.value`: an enum's value is a descriptor call in Python 3.11.
+        return (self.model, self.prompt.kind, self.prompt.has_image)
 
 
 class CostModel:

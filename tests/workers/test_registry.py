@@ -7,7 +7,7 @@ import time
 import pytest
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.routing import RoundRobin
+from mineru_gateway.routing import LoadModel, RoundRobin
 from mineru_gateway.workers.registry import (
     HealthPolicy,
     Reading,
@@ -184,7 +184,7 @@ def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
         ["http://a:1", "http://b:1"],
         UpstreamClient(Timeouts(1, 1, 1)),
         RoundRobin(),
-        stale_after_s=0.3,
+        load=LoadModel(stale_after_s=0.3),
     )
     a, b = registry.workers
     a.healthy = b.healthy = True
@@ -208,6 +208,10 @@ def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
     fresh = registry.views()[0]
     assert fresh.reported is not None and fresh.reported.running == 5
     assert fresh.reported.age_s < 0.3 and registry.views()[0] is fresh
+    with registry.lease(a, Cost(prefill=0.1, hold=1.0)):
+        counted = registry.views()[0]  # new counts, the same reading
+        assert counted.in_flight == 1 and counted.reported is fresh.reported
+    assert registry.views()[0].reported is fresh.reported
     time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt with their age
     stale = registry.views()[0]
     assert stale is not fresh and stale.reported is not None and stale.reported.age_s > 0.3

@@ -106,7 +106,7 @@ def build_context(
             slow_probes_to_eject=settings.slow_probes_to_eject,
         ),
         load_interval_s=settings.load_interval_s,
-        stale_after_s=settings.stale_after_s,
+        load=load_model,
         pace_weighting=settings.pace_weighting,
         batch_limit=settings.batch_limit,
         metrics=metrics,

@@ -37,7 +37,7 @@ from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker, 
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import (
-    STALE_AFTER_S,
+    LoadModel,
     ReportedLoad,
     RoutingPolicy,
     WorkerView,
@@ -140,6 +140,7 @@ class Worker:
         until then "fresh" is the right answer, from then on "stale".
         """
         scrape, built = self.scrape, self._view
+        routable = self.healthy and not self.draining
         if built is not None and now < built[3] and built[1] is scrape:
             view, _, seen_models, until = built
             same_models = seen_models is self.models
@@ -147,7 +148,7 @@ class Worker:
                 same_models
                 and view.in_flight == self.in_flight
                 and view.own_cost == self.own_cost
-                and view.healthy == self.routable
+                and view.healthy == routable
                 and view.slowness == slowness
                 and view.batch_limit == batch_limit
             ):
@@ -163,7 +164,7 @@ class Worker:
             until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
         view = WorkerView(
             self.url,
-            self.routable,
+            routable,
             self.in_flight,
             models,
             self.own_cost,
@@ -246,12 +247,13 @@ class WorkerRegistry:
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
         shared_readings: Callable[[], Awaitable[Mapping[str, Reading]]] | None = None,
-        stale_after_s: float = STALE_AFTER_S,
+        load: LoadModel | None = None,
     ) -> None:
         """With `shared_readings`, the workers' load figures come from that (another gateway
-        process's readings, siblings.py) instead of each worker's `/metrics`. `stale_after_s`
-        must be the routing policy's and flow control's own (`LoadModel.stale_after_s`)."""
-        self._stale_after_s = stale_after_s
+        process's readings, siblings.py) instead of each worker's `/metrics`. `load` is the
+        model routing and flow control judge the figures by (the one object given to both):
+        a worker's view is kept while its figures are as fresh as that model says."""
+        self._stale_after_s = (load or LoadModel()).stale_after_s
         self._workers = {url: Worker(url) for url in urls}
         self._shared_readings = shared_readings
         self._client = client

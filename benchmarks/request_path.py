@@ -1,0 +1,295 @@
+"""What the gateway's own work costs per small request, without the servers around it (issue 16).
+
+The gateway's ASGI app is called in-process, 16 requests at a time, with the small request of
+`benchmarks.small_requests` (no HTTP server on the client's side: each request gets a `ClientLink`
+over a stand-in for uvicorn's request cycle that drops what is written), against two of that
+benchmark's instant upstreams through the gateway's own client. What is left is the relay's path:
+parsing and limits, cost, admission and routing, the worker's round trip, accounting.
+
+Two figures per gateway tree, each from the difference of two runs (so start-up and warm-up cancel):
+
+- CPU per request (`time.process_time`), noisy on a shared machine like any timing;
+- with `--instructions`, instructions per request as valgrind's callgrind counts them: the same
+  on every run of the same code, whatever else the machine does, so a change of a few percent
+  shows (the figure to compare changes by; not a time).
+
+`--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
+
+    python -m benchmarks.request_path --instructions --candidate before=/tmp/base \\
+        --out benchmarks/results/request_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.routing.runs import git_commit
+from benchmarks.small_requests import CHAT, chat_body
+
+from mineru_gateway.testing import free_port, wait_http_ok
+
+MODEL = "tiny"
+CONCURRENCY = 16
+RESULT_MARK = "REQUEST_PATH_RESULT "
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the child: one gateway tree, one run --------------------------------------------------------
+class _Transport:
+    """Where the answers go: nowhere (the client's side is not what is measured)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _cycle() -> Any:
+    """The fields of uvicorn's request cycle that `ClientLink.respond` reads and sets."""
+    return types.SimpleNamespace(
+        transport=_Transport(),
+        flow=types.SimpleNamespace(write_paused=False),
+        default_headers=[],
+        keep_alive=True,
+        response_started=False,
+        response_complete=False,
+        disconnected=False,
+        waiting_for_100_continue=False,
+        chunked_encoding=None,
+        message_event=asyncio.Event(),
+        on_response=lambda: None,
+    )
+
+
+async def _run(upstreams: Sequence[str], requests: int, warmup: int) -> dict[str, Any]:
+    from mineru_gateway.api.app import create_app
+    from mineru_gateway.api.connection import EXTENSION, ClientLink
+    from mineru_gateway.config import GatewaySettings
+    from mineru_gateway.entry.logs import configure_logging
+
+    configure_logging("warning", "json")
+    app = create_app(GatewaySettings(workers=list(upstreams), log_level="warning"))
+    body = chat_body(MODEL)
+    headers = [
+        (b"host", b"127.0.0.1"),
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+    ]
+    answered: list[int] = []
+
+    async with app.api.router.lifespan_context(app.api) as state:
+        await _until_healthy(app, state)
+
+        async def one() -> None:
+            cycle = _cycle()
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": CHAT,
+                "headers": headers,
+                "state": dict(state or {}),
+                "extensions": {EXTENSION: ClientLink(cycle)},
+            }
+            sent = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await asyncio.Event().wait()  # the client never leaves
+                raise AssertionError
+
+            async def send(message: Any) -> None:
+                raise AssertionError("the link answers whole answers")
+
+            await app(scope, receive, send)
+            answered.append(int(cycle.response_complete))
+
+        async def loop(count: int) -> None:
+            for _ in range(count):
+                await one()
+
+        await asyncio.gather(*(loop(warmup // CONCURRENCY) for _ in range(CONCURRENCY)))
+        answered.clear()
+        gc.collect()
+        gc.freeze()  # as the server does once listening (entry/server.py)
+        started, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(loop(requests // CONCURRENCY) for _ in range(CONCURRENCY)))
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - started
+    done = (requests // CONCURRENCY) * CONCURRENCY
+    return {"requests": done, "cpu_s": cpu, "wall_s": wall, "answered": sum(answered)}
+
+
+async def _until_healthy(app: Any, state: Any) -> None:
+    from mineru_gateway.api.context import gateway_context
+
+    registry = gateway_context({"state": dict(state)}).registry
+    for _ in range(200):
+        if all(worker.healthy for worker in registry.workers):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the upstreams did not become healthy")
+
+
+def child(argv: Sequence[str]) -> None:
+    import uvloop
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--upstreams", required=True)
+    parser.add_argument("--requests", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=1600)
+    args = parser.parse_args(argv)
+    result = uvloop.run(_run(args.upstreams.split(","), args.requests, args.warmup))
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+# -- the parent: upstreams, runs, differences ------------------------------------------------
+@contextlib.contextmanager
+def upstreams() -> Iterator[list[str]]:
+    urls, processes = [], []
+    try:
+        for _ in range(2):
+            port = free_port()
+            argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
+            processes.append(subprocess.Popen([*argv, "--model", MODEL], cwd=REPO))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_http_ok(url + "/health", 30.0)
+        yield urls
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def run_once(
+    source: Path, urls: Sequence[str], requests: int, *, instructions: bool
+) -> dict[str, Any]:
+    """One child run of the gateway from `source` (its `src`); with `instructions`, under
+    callgrind, whose total instruction count is added to the result."""
+    argv = [sys.executable, "-m", "benchmarks.request_path", "--child"]
+    argv += ["--upstreams", ",".join(urls), "--requests", str(requests)]
+    if instructions:
+        argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
+    env = dict(os.environ, PYTHONPATH=f"{source / 'src'}{os.pathsep}{REPO}")
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    return parse_child(done.stdout, done.stderr if instructions else None)
+
+
+def parse_child(stdout: str, callgrind: str | None) -> dict[str, Any]:
+    line = next(line for line in stdout.splitlines() if line.startswith(RESULT_MARK))
+    result: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
+    if callgrind is not None:
+        found = re.search(r"Collected : (\d+)", callgrind)
+        if found is None:
+            raise RuntimeError("callgrind printed no instruction count")
+        result["instructions"] = int(found.group(1))
+    return result
+
+
+def per_request(short: dict[str, Any], long: dict[str, Any]) -> dict[str, float]:
+    """The cost of the requests the long run made beyond the short one's."""
+    extra = long["requests"] - short["requests"]
+    figures = {"cpu_us": (long["cpu_s"] - short["cpu_s"]) / extra * 1e6}
+    if "instructions" in long:
+        figures["instructions"] = (long["instructions"] - short["instructions"]) / extra
+    return figures
+
+
+def measure(
+    source: Path, urls: Sequence[str], requests: int, *, instructions: bool
+) -> dict[str, Any]:
+    """CPU per request from two plain runs; with `instructions`, instructions per request from
+    two more under callgrind (whose CPU figures, 50 times slower, mean nothing)."""
+    runs = [run_once(source, urls, n, instructions=False) for n in (requests, 3 * requests)]
+    if instructions:
+        runs += [run_once(source, urls, n, instructions=True) for n in (requests, 3 * requests)]
+    unanswered = [run for run in runs if run["answered"] != run["requests"]]
+    if unanswered:
+        raise RuntimeError(f"requests went unanswered: {unanswered}")
+    figures = per_request(runs[0], runs[1])
+    if instructions:
+        figures["instructions"] = per_request(runs[2], runs[3])["instructions"]
+    # CPU per request straight from the long run too: it includes no start-up.
+    return {
+        **figures,
+        "cpu_us_long_run": runs[1]["cpu_s"] / runs[1]["requests"] * 1e6,
+        "runs": runs,
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    rows = results["gateways"]
+    first = next(iter(rows.values()))
+    lines = [
+        "# The gateway's own work per small request",
+        "",
+        f"`{results['command']}` ({results['date']}, commit {results['commit']}).",
+        "",
+        "The gateway's app called in-process (no HTTP server on the client's side), 16 requests at"
+        " a time, against two instant upstreams through its own client; each figure is the"
+        " difference of two runs (benchmarks/request_path.py).",
+        "",
+        "| gateway | instructions per request | against the first | CPU per request |",
+        "|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        count = row.get("instructions")
+        ratio = f"{count / first['instructions']:.2f}x" if count and "instructions" in first else ""
+        shown = f"{count:,.0f}" if count else "not counted"
+        lines.append(f"| {name} | {shown} | {ratio} | {row['cpu_us']:.0f} us |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        child(argv[1:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--requests", type=int, default=1600, help="short run; the long is 3x")
+    parser.add_argument("--instructions", action="store_true", help="count with callgrind")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    sources = {"gateway": REPO}
+    for candidate in args.candidate:
+        name, _, directory = candidate.partition("=")
+        sources[f"gateway@{name}"] = Path(directory).resolve()
+    gateways = {}
+    with upstreams() as urls:
+        for name, source in sources.items():
+            gateways[name] = measure(source, urls, args.requests, instructions=args.instructions)
+            print(name, {k: v for k, v in gateways[name].items() if k != "runs"}, flush=True)
+    results = {
+        "command": "python -m benchmarks.request_path " + " ".join(argv),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(),
+        "gateways": gateways,
+    }
+    print(markdown(results))
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
