@@ -43,6 +43,7 @@ from mineru_gateway.testing import free_port, wait_http_ok
 
 MODEL = "tiny"
 CONCURRENCY = 16
+CPU_RUNS = 10  # plain runs are this many times longer than callgrind's
 RESULT_MARK = "REQUEST_PATH_RESULT "
 REPO = Path(__file__).resolve().parents[1]
 
@@ -217,9 +218,11 @@ def per_request(short: dict[str, Any], long: dict[str, Any]) -> dict[str, float]
 def measure(
     source: Path, urls: Sequence[str], requests: int, *, instructions: bool
 ) -> dict[str, Any]:
-    """CPU per request from two plain runs; with `instructions`, instructions per request from
-    two more under callgrind (whose CPU figures, 50 times slower, mean nothing)."""
-    runs = [run_once(source, urls, n, instructions=False) for n in (requests, 3 * requests)]
+    """CPU per request from two plain runs of ten times `requests` (seconds each: shorter ones
+    are noise); with `instructions`, instructions per request from two more of `requests`
+    under callgrind (50 times slower: their CPU figures mean nothing)."""
+    plain = (CPU_RUNS * requests, 3 * CPU_RUNS * requests)
+    runs = [run_once(source, urls, n, instructions=False) for n in plain]
     if instructions:
         runs += [run_once(source, urls, n, instructions=True) for n in (requests, 3 * requests)]
     unanswered = [run for run in runs if run["answered"] != run["requests"]]
