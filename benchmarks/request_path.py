@@ -30,16 +30,16 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.routing.fleet import Processes
 from benchmarks.routing.runs import git_commit
-from benchmarks.small_requests import CHAT, chat_body
-
-from mineru_gateway.testing import free_port, wait_http_ok
+from benchmarks.small_requests import CHAT, chat_body, upstream
 
 MODEL = "tiny"
 CONCURRENCY = 16
@@ -165,20 +165,12 @@ def child(argv: Sequence[str]) -> None:
 # -- the parent: upstreams, runs, differences ------------------------------------------------
 @contextlib.contextmanager
 def upstreams() -> Iterator[list[str]]:
-    urls, processes = [], []
+    """Two of `benchmarks.small_requests`' instant upstreams, stopped on exit."""
+    procs = Processes(Path(tempfile.mkdtemp(prefix="request-path-bench-")))
     try:
-        for _ in range(2):
-            port = free_port()
-            argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
-            processes.append(subprocess.Popen([*argv, "--model", MODEL], cwd=REPO))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            wait_http_ok(url + "/health", 30.0)
-        yield urls
+        yield [url for url, _ in upstream.start(procs, MODEL)]
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=10)
+        procs.stop_all()
 
 
 def run_once(

@@ -39,6 +39,7 @@ from . import (
     parse_wrk,
     summarize,
     top_frames,
+    upstream,
     wrk_script,
 )
 
@@ -78,14 +79,9 @@ class Bench:
         self.proxies: dict[str, Proxy] = {}
 
     def start_upstreams(self) -> None:
-        for index in range(2):
-            port = free_port()
-            argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
-            handle = self.procs.spawn(f"upstream-{index}", [*argv, "--model", self.args.model])
-            self.upstreams.append(f"http://127.0.0.1:{port}")
+        for url, handle in upstream.start(self.procs, self.args.model):
+            self.upstreams.append(url)
             self.upstream_pids.append(handle.pid)
-        for url in self.upstreams:
-            wait_http_ok(url + "/health", fleet.READY_TIMEOUT_S)
 
     def start(self, name: str) -> None:
         port = free_port()

@@ -25,9 +25,9 @@ import uvloop
 
 from mineru_gateway.workers.http1 import Http1Pool
 
+from . import CHAT
 from .upstream import HttpProtocol, serve_forever
 
-CHAT = "/v1/chat/completions"
 HEADERS = {"Content-Type": "application/json"}
 DEADLINE_S = 30.0
 

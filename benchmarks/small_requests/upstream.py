@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httptools
 import uvloop
+from benchmarks.routing.fleet import READY_TIMEOUT_S, Processes
+
+from mineru_gateway.testing import free_port, wait_http_ok
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "vllm"
 FIXTURE_MODEL = "tiny"
@@ -102,6 +107,21 @@ class Upstream(HttpProtocol):
 async def serve(port: int, model: str) -> None:
     table = answers(model)
     await serve_forever(lambda: Upstream(table), port, backlog=1024)
+
+
+def start(
+    procs: Processes, model: str, count: int = 2
+) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    """`count` upstreams started as children of `procs`, each answering: base URLs, processes."""
+    started = []
+    for index in range(count):
+        port = free_port()
+        argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
+        handle = procs.spawn(f"upstream-{index}", [*argv, "--model", model])
+        started.append((f"http://127.0.0.1:{port}", handle))
+    for url, _ in started:
+        wait_http_ok(url + "/health", READY_TIMEOUT_S)
+    return started
 
 
 def main(argv: Sequence[str] | None = None) -> None:

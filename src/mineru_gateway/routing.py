@@ -75,8 +75,6 @@ def candidates_for(
 ) -> list[WorkerView]:
     """The healthy workers that serve `model`, minus those already tried (`exclude`)."""
     tried = frozenset(exclude)
-    if not tried:  # the first attempt: every request's
-        return [v for v in views if v.healthy and (model is None or model in v.models)]
     return [v for v in views if v.healthy and v.serves(model) and v.name not in tried]
 
 

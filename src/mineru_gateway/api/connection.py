@@ -181,14 +181,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             extensions[EXTENSION] = link
 
     def on_response_complete(self) -> None:
-        links = self._links
-        if len(links) == 1 and links[0].done:
-            links.pop().detach()
-        elif links:
-            for link in links:
+        if self._links:
+            waiting = []
+            for link in self._links:
                 if link.done:
                     link.detach()
-            self._links = [link for link in links if not link.done]
+                else:
+                    waiting.append(link)  # a pipelined request not yet answered
+            self._links = waiting
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:

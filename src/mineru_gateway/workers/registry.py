@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -93,7 +93,14 @@ class Scrape(Reading):
     own_in_flight: int
 
 
-_BuiltView = tuple[WorkerView, Scrape | None, dict[str, dict[str, Any]], float]
+class _BuiltView(NamedTuple):
+    """A worker's last view, the reading and models it was built from (compared by identity)
+    and until when its reading's freshness holds."""
+
+    view: WorkerView
+    scrape: Scrape | None
+    models: dict[str, dict[str, Any]]
+    until: float
 
 
 @dataclass(slots=True)
@@ -113,8 +120,6 @@ class Worker:
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
-    # The last view built (see `view`), the reading and models it was built from (compared by
-    # identity) and until when its reading's freshness holds.
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -139,11 +144,10 @@ class Worker:
         they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
         until then "fresh" is the right answer, from then on "stale".
         """
-        scrape, built = self.scrape, self._view
-        routable = self.healthy and not self.draining
-        if built is not None and now < built[3] and built[1] is scrape:
-            view, _, seen_models, until = built
-            same_models = seen_models is self.models
+        scrape, built, routable = self.scrape, self._view, self.routable
+        if built is not None and now < built.until and built.scrape is scrape:
+            view, until = built.view, built.until
+            same_models = built.models is self.models
             if (
                 same_models
                 and view.in_flight == self.in_flight
@@ -163,16 +167,16 @@ class Worker:
             fresh = reported is not None and reported.age_s <= stale_after_s
             until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
         view = WorkerView(
-            self.url,
-            routable,
-            self.in_flight,
-            models,
-            self.own_cost,
-            reported,
-            slowness,
-            batch_limit,
+            name=self.url,
+            healthy=routable,
+            in_flight=self.in_flight,
+            models=models,
+            own_cost=self.own_cost,
+            reported=reported,
+            slowness=slowness,
+            batch_limit=batch_limit,
         )
-        self._view = (view, scrape, self.models, until)
+        self._view = _BuiltView(view, scrape, self.models, until)
         return view
 
     def describe(self, now: float) -> dict[str, Any]:
