@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.testing import start_vllm_server, vllm_paths_from_env, wait_until
+from mineru_gateway.workers.vllm_metrics import LOAD_PATH, LOAD_SERIES, parse_vllm_load
 from tests.conftest import StartGateway, StartSim
 
 CHAT = "/v1/chat/completions"
@@ -144,6 +145,33 @@ def test_openai_sdk_gets_answers(gateway: str, backend: Backend) -> None:
         assert "".join(pieces) == whole.choices[0].message.content
     finally:
         client.close()
+
+
+def test_the_gateway_reads_only_the_load_series_of_a_workers_metrics(
+    gateway: str, backend: Backend
+) -> None:
+    """vLLM renders its whole `/metrics` page on every read (8 ms of its API server's CPU, 1 ms
+    filtered: benchmarks/results/scrape_cost.md); the gateway asks for its few series, and the
+    worker (real vLLM, or the simulator as vLLM does) answers only those."""
+    assert httpx.post(gateway + CHAT, json=chat(backend.model), timeout=60).status_code == 200
+    filtered = httpx.get(backend.url + LOAD_PATH, timeout=30).content
+    whole = httpx.get(backend.url + "/metrics", params={"name[]": "vllm:num_requests_waiting"})
+    assert len(filtered) * 10 < len(whole.content), "vLLM's `/metrics` ignores the filter"
+    names = {
+        sample.name
+        for family in text_string_to_metric_families(filtered.decode())
+        for sample in family.samples
+    }
+    assert names <= {name.decode() for name in LOAD_SERIES}
+    load = parse_vllm_load(filtered)
+    assert load is not None and load.itl_count > 0  # the request's tokens, counted
+
+    def described() -> dict[str, object]:
+        worker: dict[str, object] = httpx.get(gateway + "/v1/workers").json()["workers"][0]
+        return worker
+
+    wait_until(lambda: described()["reported"] is not None, 10, "a reading of the worker's load")
+    assert described()["load_read"] == "filtered"
 
 
 def metric(worker: str, sample_name: str) -> float:

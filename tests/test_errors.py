@@ -23,6 +23,7 @@ from mineru_gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
+    UpstreamStatusError,
     UpstreamTimeout,
 )
 
@@ -53,6 +54,7 @@ TREE = [
         "upstream_error",
         "upstream_connect_timeout",
     ),
+    (UpstreamStatusError, UpstreamError, 502, "upstream_error", "upstream_status"),
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
     (NoHealthyWorker, UpstreamError, 503, "service_unavailable", "no_healthy_worker"),
     (ShuttingDown, NoHealthyWorker, 503, "service_unavailable", "shutting_down"),

@@ -293,7 +293,7 @@ def reported(url: str) -> dict[str, Any] | None:
 
 
 def test_one_process_reads_the_workers_metrics_for_all(servers: ExitStack, tmp_path: Path) -> None:
-    """Each read costs a worker's API server 6-8 ms of CPU (benchmarks/results/scrape_cost.md):
+    """Each read costs a worker's API server CPU (benchmarks/results/scrape_cost.md):
     with several processes, only the first reads it, and the others route on its readings."""
     worker = CountingWorker()
     worker_url = servers.enter_context(serve(worker))

@@ -181,6 +181,13 @@ class UpstreamConnectTimeout(UpstreamConnectError):
     code = "upstream_connect_timeout"
 
 
+class UpstreamStatusError(UpstreamError):
+    """A worker answered a read of its own (health, models, load) with a status other than 200:
+    it is up and speaking HTTP, unlike a connection error or a timeout."""
+
+    code = "upstream_status"
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

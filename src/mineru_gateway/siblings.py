@@ -14,7 +14,8 @@ requests arriving there are marked as a sibling's. Through those sockets a proce
   worker is forwarded to the siblings, or the processes would route differently;
 - reads the workers' `/metrics` once for all: the first process reads them every
   `load_interval_s` and the others take its readings (`readings`), so a worker's API server
-  serves one read per interval (6-8 ms of its CPU each, benchmarks/results/scrape_cost.md)
+  serves one read per interval (0.8 ms of its CPU filtered, 7-8 ms for the whole page where it
+  cannot filter: benchmarks/results/scrape_cost.md)
   however many processes there are. A reading carries the time it was taken (time.monotonic()
   is one clock for the whole host), so it ages the same in every process; while the first
   process restarts, the others' figures age and they route on their own counts.

@@ -1,6 +1,7 @@
 """The simulator's HTTP protocol against a real uvicorn server, compared with recorded vLLM 0.32."""
 
 import base64
+import dataclasses
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.sim import SimConfig, create_sim_app
+from mineru_gateway.workers.vllm_metrics import LOAD_PATH
 from tests.support.servers import serve
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -302,6 +304,39 @@ def value(families: dict[str, Any], sample_name: str, **labels: str) -> float:
             if sample.name == sample_name and labels.items() <= sample.labels.items():
                 return float(sample.value)
     raise KeyError(sample_name)
+
+
+def sample_names(text: str) -> set[str]:
+    return {sample.name for family in metric_families(text).values() for sample in family.samples}
+
+
+async def test_a_read_filtered_by_name_answers_the_series_vllm_answers(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM applies `name[]` on `/metrics/` (prometheus_client's ASGI app) and ignores it on
+    `/metrics` (prometheus-fastapi-instrumentator's route): fixtures/vllm/metrics_filtered.txt
+    is the gateway's own load read of a real vLLM."""
+    await client.post(CHAT, json=chat_body(max_tokens=5, ignore_eos=True))
+    filtered = await client.get(LOAD_PATH)
+    assert filtered.headers["content-type"].startswith("text/plain")
+    recorded = (FIXTURES / "metrics_filtered.txt").read_text()
+    assert sample_names(filtered.text) == sample_names(recorded)
+    assert value(metric_families(filtered.text), "vllm:inter_token_latency_seconds_count") == 4
+    ignored = await client.get("/metrics", params={"name[]": "vllm:num_requests_waiting"})
+    assert sample_names(ignored.text) > sample_names(filtered.text)
+    unfiltered = await client.get("/metrics/")
+    assert sample_names(unfiltered.text) == sample_names(ignored.text)
+
+
+async def test_with_several_api_servers_a_filtered_read_is_empty() -> None:
+    """vLLM's multiprocess registry (`--api-server-count` above 1) registers no names, so
+    prometheus_client's filter finds none of them; the whole page is still there."""
+    config = dataclasses.replace(CONFIG, api_server_count=2)
+    with serve(create_sim_app(config)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=20.0) as http:
+            filtered = await http.get(LOAD_PATH)
+            assert filtered.status_code == 200 and filtered.content == b""
+            assert "vllm:num_requests_waiting" in (await http.get("/metrics")).text
 
 
 REQUIRED_FAMILIES = {

@@ -34,6 +34,7 @@ class Script:
     cancelled: int = 0
     healthy: bool = True
     health_delay_s: float = 0.0  # /health answers this late (a worker busy with a full batch)
+    metrics: bytes | None = None  # what /metrics answers (404 when None); no `/metrics/` mount
 
 
 def scripted_worker(script: Script) -> Starlette:
@@ -44,6 +45,11 @@ def scripted_worker(script: Script) -> Starlette:
     async def models(request: Request) -> Response:
         card = {"id": script.model, "object": "model", "owned_by": "vllm", "root": script.model}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics(request: Request) -> Response:
+        if script.metrics is None:
+            return Response(status_code=404)
+        return Response(script.metrics, media_type="text/plain; version=0.0.4")
 
     async def completion(request: Request) -> Response:
         body = await request.body()
@@ -70,6 +76,7 @@ def scripted_worker(script: Script) -> Starlette:
     routes = [
         Route("/health", health),
         Route("/v1/models", models),
+        Route("/metrics", metrics),
         Route("/v1/chat/completions", completion, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),
     ]

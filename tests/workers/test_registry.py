@@ -16,7 +16,8 @@ from mineru_gateway.workers.registry import (
     learn_batch,
 )
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
-from mineru_gateway.workers.vllm_metrics import VllmLoad
+from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad
+from tests.conftest import StartSim
 from tests.support.workers import Script
 
 
@@ -215,3 +216,40 @@ def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
     time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt with their age
     stale = registry.views()[0]
     assert stale is not fresh and stale.reported is not None and stale.reported.age_s > 0.3
+
+
+async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
+    start_sim: StartSim, scripted: tuple[Script, str]
+) -> None:
+    """vLLM answers `/metrics/?name[]=...` with the named series only; with several API
+    servers (a multiprocess registry) the filtered page is empty, and a server without the
+    `/metrics/` mount answers 404: then the whole page, from then on, and a reading all the
+    same. A worker that cannot be reached says nothing about filtering."""
+    script, no_mount = scripted  # only `/metrics`: `/metrics/` is redirected to it (307)
+    script.metrics = b"vllm:num_requests_running 2.0\nvllm:num_requests_waiting 1.0\n"
+    one, several = start_sim(), start_sim(api_server_count=2)
+    client = UpstreamClient(Timeouts(1, 1, 1))
+    registry = registry_of(one, several, no_mount, "http://127.0.0.1:9", client=client)
+    await client.start()
+    try:
+        for _ in range(2):
+            for worker in registry.workers:
+                await registry.read_load(worker)
+        filtered, multiprocess, missing, unreachable = registry.workers
+        assert [w.load_path for w in registry.workers] == [
+            LOAD_PATH,
+            FULL_PATH,
+            FULL_PATH,
+            LOAD_PATH,
+        ]
+        assert filtered.scrape is not None and multiprocess.scrape is not None
+        assert missing.scrape is not None, "the scripted worker's whole page is read"
+        assert unreachable.scrape is None
+        assert [w.describe(time.monotonic())["load_read"] for w in registry.workers] == [
+            "filtered",
+            "whole",
+            "whole",
+            "filtered",
+        ]
+    finally:
+        await client.close()

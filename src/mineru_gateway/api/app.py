@@ -111,8 +111,8 @@ def build_context(
         batch_limit=settings.batch_limit,
         metrics=metrics,
         rng=random.Random(),
-        # One process reads the workers for all: each read costs a worker's API server 6-8 ms
-        # of CPU (benchmarks/results/scrape_cost.md).
+        # One process reads the workers for all: each read costs a worker's API server CPU
+        # (0.8 ms filtered, 7-8 ms for the whole page: benchmarks/results/scrape_cost.md).
         shared_readings=siblings.readings if siblings and siblings.index != READER else None,
     )
     cost_model = CostModel(

@@ -280,6 +280,18 @@ def _control_routes(sim: Simulator) -> list[Route]:
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(sim.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def filtered_metrics(request: Request) -> Response:
+        # vLLM serves `/metrics` through prometheus-fastapi-instrumentator, which ignores
+        # `name[]`, and `/metrics/` through prometheus_client's ASGI app, which applies it
+        # (docs/vllm.md); with several API servers, its multiprocess registry knows no names.
+        names = request.query_params.getlist("name[]")
+        if not names:
+            return await metrics(request)
+        if config.api_server_count > 1:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(sim.registry.restricted_registry(names))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
     async def load(_: Request) -> Response:
         return _json({"server_load": sim.in_flight})
 
@@ -298,6 +310,7 @@ def _control_routes(sim: Simulator) -> list[Route]:
         Route("/v1/models", models),
         Route("/version", version),
         Route("/metrics", metrics),
+        Route("/metrics/", filtered_metrics),
         Route("/sim/state", state),
         Route("/sim/control", control, methods=["POST"]),
     ]

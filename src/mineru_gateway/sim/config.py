@@ -64,9 +64,16 @@ class SimConfig:
     engine_label: str = "0"
     vllm_version: str = "0.32.0"
     shutdown_timeout: float = 0.0
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "api_server_count",
+        ):
             _require(getattr(self, name) >= 1, f"{name} must be at least 1")
         for name in ("time_scale", "speed"):
             _require(getattr(self, name) > 0, f"{name} must be positive")
@@ -109,6 +116,9 @@ _HELP = {
     "vllm_version": "Version reported by /version and in system_fingerprint.",
     "shutdown_timeout": "On SIGTERM, seconds in-flight requests may still finish before they "
     "are aborted; 0 aborts them at once (vLLM's --shutdown-timeout, default 0).",
+    "api_server_count": "Only changes what a filtered /metrics/?name[]=... read answers: with "
+    "more than one API server, vLLM's multiprocess Prometheus registry knows no names, and the "
+    "filtered page is empty (docs/vllm.md).",
 }
 
 

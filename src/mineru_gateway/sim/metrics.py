@@ -207,8 +207,10 @@ class EngineCollector(Collector):
 
 
 def build_registry(scheduler: Scheduler, model_name: str, engine: str) -> CollectorRegistry:
-    """A registry of this simulator's own, never the process-global one."""
-    registry = CollectorRegistry()
+    """A registry of this simulator's own, never the process-global one. It learns each
+    collector's names when it is registered (`auto_describe`), so that a read filtered by name
+    (`/metrics/?name[]=...`) finds them, as it finds vLLM's own metrics."""
+    registry = CollectorRegistry(auto_describe=True)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)

@@ -33,7 +33,13 @@ from typing import Any, NamedTuple
 import structlog
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.errors import GatewayError, ModelNotFound, NoHealthyWorker, UpstreamTimeout
+from mineru_gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoHealthyWorker,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import (
@@ -44,7 +50,7 @@ from mineru_gateway.routing import (
     candidates_for,
 )
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.vllm_metrics import VllmLoad, parse_vllm_load
+from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad, parse_vllm_load
 
 log = structlog.get_logger("mineru_gateway.registry")
 
@@ -120,6 +126,7 @@ class Worker:
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
+    load_path: str = LOAD_PATH  # FULL_PATH once a filtered read has failed (read_load)
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -197,6 +204,8 @@ class Worker:
             },
             "inter_token_latency_s": self.itl_s,
             "batch_seen": self.batch_seen or None,
+            # "filtered": the few series routing needs; "whole": the whole page (read_load)
+            "load_read": "whole" if self.load_path == FULL_PATH else "filtered",
             "last_error": self.last_error,
             "last_checked": self.last_checked,
         }
@@ -478,14 +487,26 @@ class WorkerRegistry:
         await asyncio.gather(*(self.check(worker) for worker in self.workers))
 
     async def read_load(self, worker: Worker) -> None:
-        own = worker.in_flight
+        own, path = worker.in_flight, worker.load_path
         try:
-            text = await self._client.get_ok(f"{worker.url}/metrics", self._load_timeout)
+            text = await self._client.get_ok(worker.url + path, self._load_timeout)
+        except UpstreamStatusError as error:
+            if path == FULL_PATH:
+                return
+            text, why = b"", str(error)
         except GatewayError:
             return  # the figures age; past `stale_after_s` routing ignores them
+        else:
+            why = "the filtered read has no load series"
         load = parse_vllm_load(text)
         if load is not None:
             self._take(worker, Reading(load, time.monotonic()), own)
+        elif path != FULL_PATH:
+            # vLLM with several API servers (a multiprocess registry knows no names), or a
+            # server without vLLM's `/metrics/` mount: the whole page from now on.
+            worker.load_path = FULL_PATH
+            log.info("worker_load_unfiltered", worker=worker.url, reason=why)
+            await self.read_load(worker)
 
     def _take(self, worker: Worker, reading: Reading, own: int) -> None:
         if worker.scrape is not None and worker.scrape.at >= reading.at:

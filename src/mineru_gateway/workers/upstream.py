@@ -19,6 +19,7 @@ from mineru_gateway.errors import (
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
+    UpstreamStatusError,
     UpstreamTimeout,
 )
 from mineru_gateway.workers.http1 import (
@@ -247,5 +248,5 @@ class UpstreamClient:
             if answer is not None:
                 answer.close()
         if answer.status != 200:
-            raise UpstreamError(f"GET {url} answered {answer.status}")
+            raise UpstreamStatusError(f"GET {url} answered {answer.status}")
         return body
