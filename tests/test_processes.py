@@ -6,6 +6,7 @@ simulated worker on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
@@ -110,6 +111,30 @@ def test_one_process_merges_to_its_own_figures() -> None:
     merged = samples(merge_expositions([PROCESS_A]).decode())
     assert merged.pop(("mineru_gateway_processes", ())) == 1.0
     assert merged == samples(PROCESS_A)
+
+
+async def test_a_process_asks_a_sibling_over_one_kept_connection(tmp_path: Path) -> None:
+    """The readings are taken five times a second: a connection (and an HTTP session) for each
+    cost every process more CPU than its own idle work. One is kept, and closed with the app."""
+    siblings = Siblings(1, 2, tmp_path)
+    accepted: list[asyncio.StreamReader] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(reader)
+        while await reader.readuntil(b"\r\n\r\n"):  # GETs: a head, no body
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    server = await asyncio.start_unix_server(answer, path=str(siblings.socket_path(0)))
+    try:
+        for _ in range(20):
+            assert await siblings.request(0, "GET", "/v1/internal/readings") == (200, b"{}")
+        assert len(accepted) == 1
+        await siblings.close()
+        await asyncio.wait_for(accepted[0].read(), 5)  # the end of the stream: closed
+        assert accepted[0].at_eof()
+    finally:
+        server.close()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -45,6 +45,9 @@ log = structlog.get_logger("mineru_gateway.siblings")
 SIBLING_SCOPE_KEY = "mineru_gateway.sibling"  # set on requests that came over a sibling socket
 SHARED_READINGS_PATH = "/v1/internal/readings"  # answered over a sibling socket only
 READER = 0  # the process that reads the workers' /metrics for all
+# Below the siblings' servers' keep-alive (uvicorn's 5 s), so that a connection is never reused
+# just as the other side closes it.
+SIBLING_KEEPALIVE_S = 4.0
 
 # Gauges that count what each process holds: the gateway's is the sum over its processes. Every
 # other gauge describes something all processes see alike (a worker's health or reported queue,
@@ -117,6 +120,9 @@ class Siblings:
     index: int
     count: int
     directory: Path
+    _sessions: dict[int, aiohttp.ClientSession] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def socket_path(self, index: int) -> Path:
         return self.directory / f"gateway-{index}.sock"
@@ -139,15 +145,30 @@ class Siblings:
         timeout_s: float = 10.0,
     ) -> tuple[int, bytes]:
         """One request to sibling `index` over its socket: (status, body)."""
-        connector = aiohttp.UnixConnector(path=str(self.socket_path(index)))
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with (
-            aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-            session.request(
-                method, "http://sibling" + path, headers=dict(headers or {}), data=body
-            ) as response,
-        ):
+        async with self._session(index).request(
+            method, "http://sibling" + path, headers=dict(headers or {}), data=body, timeout=timeout
+        ) as response:
             return response.status, await response.read()
+
+    def _session(self, index: int) -> aiohttp.ClientSession:
+        """One keep-alive session per sibling, made in the event loop that first asks. A
+        session and a connection for each request cost every process more than its own idle
+        work: the readings alone are taken five times a second."""
+        session = self._sessions.get(index)
+        if session is None or session.closed:
+            connector = aiohttp.UnixConnector(
+                path=str(self.socket_path(index)), keepalive_timeout=SIBLING_KEEPALIVE_S
+            )
+            session = self._sessions[index] = aiohttp.ClientSession(connector=connector)
+        return session
+
+    async def close(self) -> None:
+        """Closes the sessions to the siblings (at the app's shutdown)."""
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        for session in sessions:
+            await session.close()
 
     async def metrics(self, own: bytes) -> bytes:
         """The whole gateway's /metrics: this process's `own` exposition and its siblings'.

@@ -328,6 +328,8 @@ def create_app(
             await discovery.stop()
             await context.registry.stop()
             await context.client.close()
+            if siblings is not None:
+                await siblings.close()
 
     app = FastAPI(title="mineru-gateway", version=__version__, lifespan=lifespan)
     relays = {path: Relay(endpoint) for endpoint, path in PATHS.items()}

@@ -95,6 +95,7 @@ class Listener:
             lifespan="off",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,  # nothing here reads the client's address
         )
         self._server = _QuietServer(config)
         self._reuse_port = reuse_port
