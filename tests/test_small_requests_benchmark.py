@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from benchmarks.routing.fleet import Processes
 from benchmarks.small_requests import (
     CHAT,
     RESULT_MARK,
@@ -22,6 +22,7 @@ from benchmarks.small_requests import (
     parse_wrk,
     summarize,
     top_frames,
+    upstream,
     wrk_script,
 )
 from benchmarks.small_requests.__main__ import groups, rotated
@@ -175,19 +176,16 @@ def test_together_pairs_the_gateway_with_each_candidate() -> None:
 
 
 @pytest.mark.parametrize("mode", ["raw", "asgi"])
-def test_a_floor_relay_answers_what_the_upstream_answers(mode: str) -> None:
+def test_a_floor_relay_answers_what_the_upstream_answers(mode: str, tmp_path: Path) -> None:
     """The floors (benchmarks/small_requests/floors.py) measure relaying alone: they must relay."""
-    upstream_port, floor_port = free_port(), free_port()
-    python = [sys.executable, "-m"]
-    upstream = subprocess.Popen(
-        [*python, "benchmarks.small_requests.upstream", "--port", str(upstream_port)]
-    )
-    upstream_url = f"http://127.0.0.1:{upstream_port}"
-    floor_args = ["--mode", mode, "--port", str(floor_port), "--upstreams", upstream_url]
-    floor = subprocess.Popen([*python, "benchmarks.small_requests.floors", *floor_args])
+    procs = Processes(tmp_path)
     try:
-        floor_url = f"http://127.0.0.1:{floor_port}"
-        wait_http_ok(upstream_url + "/health", 20, upstream)
+        [(upstream_url, _)] = upstream.start(procs, "tiny", count=1)
+        port = free_port()
+        floor_url = f"http://127.0.0.1:{port}"
+        floor_args = ["--mode", mode, "--port", str(port), "--upstreams", upstream_url]
+        argv = [sys.executable, "-m", "benchmarks.small_requests.floors", *floor_args]
+        floor = procs.spawn("floor", argv)
         wait_http_ok(floor_url + "/health", 20, floor)
         body = chat_body("tiny")
         direct = httpx.post(upstream_url + CHAT, content=body)
@@ -196,6 +194,4 @@ def test_a_floor_relay_answers_what_the_upstream_answers(mode: str) -> None:
         assert direct.status_code == 200 and direct.json()["model"] == "tiny"
         assert [(r.status_code, r.content) for r in relayed] == [(200, direct.content)] * 2
     finally:
-        for proc in (floor, upstream):
-            proc.terminate()
-            proc.wait(10)
+        procs.stop_all()

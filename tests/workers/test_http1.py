@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from mineru_gateway.workers.http1 import Disconnected, Http1Pool, Malformed
+from tests.support.raw_http import chunk, raw_server, read_request
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 STREAM = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 @dataclass
@@ -32,15 +29,6 @@ class Seen:
 
 
 Answerer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head + await reader.readexactly(length)
 
 
 @asynccontextmanager
@@ -64,12 +52,8 @@ async def worker(answer: Answerer) -> AsyncIterator[tuple[str, Seen]]:
             closed.set()
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        server.close()
+    async with raw_server(serve) as url:
+        yield url, seen
 
 
 def writes(*pieces: bytes) -> Answerer:
@@ -200,15 +184,12 @@ async def test_an_answer_given_before_the_request_body_was_read_is_not_reused() 
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1024)
-    port = server.sockets[0].getsockname()[1]
-    async with pool() as connections:
+    async with raw_server(serve, limit=1024) as url, pool() as connections:
         body = b"x" * (64 * 1024 * 1024)  # more than the socket buffers hold
-        answer = await connections.request("POST", f"http://127.0.0.1:{port}/", {}, body, 5.0)
+        answer = await connections.request("POST", url + "/", {}, body, 5.0)
         assert answer.status == 413
         assert await answer.read() == b""
         assert connections.connections == 0
-    server.close()
 
 
 # -- framing and broken answers ------------------------------------------------------------------

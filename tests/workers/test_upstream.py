@@ -24,6 +24,7 @@ from mineru_gateway.errors import (
 )
 from mineru_gateway.testing import free_port
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient, UpstreamResponse
+from tests.support.raw_http import chunk, raw_server, read_request
 
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -49,10 +50,6 @@ class Drop:
 Step = Pause | Raw | Drop | bytes  # bytes: one chunk of a chunked body
 
 
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
 def sse(count: int, gap_s: float) -> list[Step]:
     """`count` events `gap_s` apart, then the end of the body."""
     steps: list[Step] = []
@@ -67,13 +64,7 @@ async def worker(script: Sequence[Step]) -> AsyncIterator[str]:
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                (int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                 if line.lower().startswith(b"content-length:")),
-                0,
-            )  # fmt: skip
-            await reader.readexactly(length)
+            await read_request(reader)
             for step in script:
                 if isinstance(step, Drop):
                     return
@@ -88,13 +79,8 @@ async def worker(script: Sequence[Step]) -> AsyncIterator[str]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_server(answer) as url:
+        yield url
 
 
 @asynccontextmanager

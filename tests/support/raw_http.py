@@ -1,0 +1,40 @@
+"""Raw HTTP/1.1 on real sockets, for tests that need bytes exactly where they want them: a
+server on 127.0.0.1 whose connections a test handles by hand, and the framing such a handler
+reads and writes. The gateway's own HTTP/1.1 client is tested against it (tests/workers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def chunk(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """The next request on a connection, head and body (framed by Content-Length)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def raw_server(handle: Handler, **options: Any) -> AsyncIterator[str]:
+    """A server on a free port of 127.0.0.1 handing each connection to `handle` (`options` go
+    to `asyncio.start_server`): its URL."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, **options)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+        await server.wait_closed()
