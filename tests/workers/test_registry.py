@@ -232,6 +232,7 @@ async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
     registry = registry_of(one, several, no_mount, "http://127.0.0.1:9", client=client)
     await client.start()
     try:
+        await registry.check_all()
         for _ in range(2):
             for worker in registry.workers:
                 await registry.read_load(worker)
@@ -251,5 +252,16 @@ async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
             "whole",
             "filtered",
         ]
+        # Back after an outage, a worker may be another vLLM: its filtered read is tried again.
+        await registry.check(missing)
+        assert missing.healthy and missing.load_path == FULL_PATH, "no outage, no new try"
+        assert not unreachable.healthy
+        script.healthy = False
+        await registry.check(missing)
+        script.healthy = True
+        await registry.check(missing)
+        assert missing.healthy and missing.load_path == LOAD_PATH
+        await registry.read_load(missing)
+        assert missing.load_path == FULL_PATH
     finally:
         await client.close()

@@ -126,7 +126,7 @@ class Worker:
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
-    load_path: str = LOAD_PATH  # FULL_PATH once a filtered read has failed (read_load)
+    load_path: str = LOAD_PATH  # FULL_PATH from a failed filtered read until an outage ends
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -477,6 +477,10 @@ class WorkerRegistry:
         if changed:
             event = "worker_healthy" if healthy else "worker_unhealthy"
             log.info(event, worker=worker.url, error=error)
+        if changed and healthy:
+            # Back after an outage: maybe another vLLM (a restart with one API server where
+            # there were several), so its filtered read is tried again.
+            worker.load_path = LOAD_PATH
         worker.healthy = healthy
         if error is not None:
             worker.last_error = error
