@@ -42,7 +42,7 @@ class ReportedLoad:
     running: float
     kv_usage: float
     age_s: float
-    own_at_scrape: int  # this gateway's in-flight requests on the worker when it was scraped
+    own_at_scrape: int  # this gateway's requests on the worker when it was scraped (read_load)
 
 
 @value  # immutable (to mypy), and cheap to build: one per worker that changed, per request

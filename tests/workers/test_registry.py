@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -263,5 +264,33 @@ async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
         assert missing.healthy and missing.load_path == LOAD_PATH
         await registry.read_load(missing)
         assert missing.load_path == FULL_PATH
+    finally:
+        await client.close()
+
+
+async def test_requests_sent_while_a_load_read_is_under_way_count_as_the_gateways_own(
+    scripted: tuple[Script, str],
+) -> None:
+    """The worker's figures may include a request the gateway sent while it was reading them.
+    Taken for someone else's, it stood as a phantom request on the worker until the next read,
+    and at a full batch sent the next request to the other, full worker."""
+    script, url = scripted
+    script.metrics = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
+    client = UpstreamClient(Timeouts(1, 1, 1))
+    registry = registry_of(url, client=client)
+    await client.start()
+    try:
+        await registry.check_all()
+        worker = registry.workers[0]
+        worker.load_path = FULL_PATH  # it has no `/metrics/`: one read, not a fallback
+        read = asyncio.ensure_future(registry.read_load(worker))
+        await asyncio.sleep(0)  # the read has begun: it waits for the worker's answer
+        assert not read.done()
+        with registry.lease(worker, Cost(prefill=0.1, hold=1.0)):  # sent during the read
+            await read
+            reported = worker.reported(time.monotonic())
+            assert reported is not None and reported.own_at_scrape == 1
+            # what routing and flow control count as others' requests on the worker: none
+            assert reported.running + reported.waiting - reported.own_at_scrape == 0
     finally:
         await client.close()

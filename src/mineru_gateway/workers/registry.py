@@ -127,6 +127,7 @@ class Worker:
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
     load_path: str = LOAD_PATH  # FULL_PATH from a failed filtered read until an outage ends
+    leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -226,6 +227,7 @@ class Lease:
         self.released = False
         self._on_release = on_release
         worker.in_flight += 1
+        worker.leased += 1
         worker.own_cost += cost.total
 
     def prefilled(self) -> None:
@@ -491,7 +493,7 @@ class WorkerRegistry:
         await asyncio.gather(*(self.check(worker) for worker in self.workers))
 
     async def read_load(self, worker: Worker) -> None:
-        own, path = worker.in_flight, worker.load_path
+        own, leased, path = worker.in_flight, worker.leased, worker.load_path
         try:
             text = await self._client.get_ok(worker.url + path, self._load_timeout)
         except UpstreamStatusError as error:
@@ -504,6 +506,12 @@ class WorkerRegistry:
             why = "the filtered read has no load series"
         load = parse_vllm_load(text)
         if load is not None:
+            # The worker may have counted the requests sent while the read was under way: they
+            # are ours too. Counted as someone else's, each would stand as a phantom request on
+            # the worker until the next read, and could send a request to a worker whose batch
+            # is full (benchmarks/results/stream_events.md). Ours that ended meanwhile stay
+            # counted: that can only hide someone else's request, never make up one.
+            own += worker.leased - leased
             self._take(worker, Reading(load, time.monotonic()), own)
         elif path != FULL_PATH:
             # vLLM with several API servers (a multiprocess registry knows no names), or a
