@@ -76,10 +76,7 @@ class RoomPolicy:
 
 
 def _external(reported: ReportedLoad | None) -> float:
-    """Requests a worker reported beyond this gateway's own (other gateways', direct ones)."""
-    if reported is None:
-        return 0.0
-    return max(0.0, reported.running + reported.waiting - reported.own_at_scrape)
+    return 0.0 if reported is None else reported.external
 
 
 # -- tenants and tickets ------------------------------------------------------------------------

@@ -44,6 +44,12 @@ class ReportedLoad:
     age_s: float
     own_at_scrape: int  # this gateway's requests on the worker when it was scraped (read_load)
 
+    @property
+    def external(self) -> float:
+        """Requests the worker reported beyond this gateway's own (other gateways', direct
+        ones): what routing and flow control count as load someone else put there."""
+        return max(0.0, self.running + self.waiting - self.own_at_scrape)
+
 
 @value  # immutable (to mypy), and cheap to build: one per worker that changed, per request
 class WorkerView:
@@ -124,7 +130,7 @@ class LoadModel:
         load = view.own_cost
         kv_factor = 1.0
         if reported is not None:
-            load += max(0.0, reported.waiting + reported.running - reported.own_at_scrape)
+            load += reported.external
             load += self.waiting_weight * reported.waiting
             over = max(0.0, reported.kv_usage - self.kv_penalty_from)
             kv_factor += 2.0 * over / (1.0 - self.kv_penalty_from)

@@ -479,10 +479,10 @@ class WorkerRegistry:
         if changed:
             event = "worker_healthy" if healthy else "worker_unhealthy"
             log.info(event, worker=worker.url, error=error)
-        if changed and healthy:
-            # Back after an outage: maybe another vLLM (a restart with one API server where
-            # there were several), so its filtered read is tried again.
-            worker.load_path = LOAD_PATH
+            if healthy:
+                # Back after an outage: maybe another vLLM (a restart with one API server
+                # where there were several), so its filtered read is tried again.
+                worker.load_path = LOAD_PATH
         worker.healthy = healthy
         if error is not None:
             worker.last_error = error
@@ -494,6 +494,7 @@ class WorkerRegistry:
 
     async def read_load(self, worker: Worker) -> None:
         own, leased, path = worker.in_flight, worker.leased, worker.load_path
+        why = "the filtered read has no load series"
         try:
             text = await self._client.get_ok(worker.url + path, self._load_timeout)
         except UpstreamStatusError as error:
@@ -502,8 +503,6 @@ class WorkerRegistry:
             text, why = b"", str(error)
         except GatewayError:
             return  # the figures age; past `stale_after_s` routing ignores them
-        else:
-            why = "the filtered read has no load series"
         load = parse_vllm_load(text)
         if load is not None:
             # The worker may have counted the requests sent while the read was under way: they
