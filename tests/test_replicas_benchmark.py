@@ -1,13 +1,16 @@
 """The replicas benchmark's own parts (`benchmarks/replicas/`): the session that splits the load
-between gateways, and the summary of a results document."""
+between gateways, the gateways of each configuration, and the summary of a results document."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from benchmarks.replicas import summary
-from benchmarks.replicas.bench import SplitSession, parse_args
+from benchmarks.replicas.bench import CONFIGURATIONS, GatewayGroup, SplitSession, parse_args
+from benchmarks.routing import fleet
 from benchmarks.routing.stats import RunResult
 
 
@@ -73,15 +76,17 @@ def run(router: str, fraction: float, p99: float | None, rate: float) -> dict[st
     return asdict(result)
 
 
-def document(two_p99_at_knee: float) -> dict[str, Any]:
+def document(two_p99_at_knee: float, other: str = summary.TWO) -> dict[str, Any]:
     runs = [
         run(summary.ONE, 0.85, 200.0, 90.0),
         run(summary.ONE, 1.0, 900.0, 108.0),
-        run(summary.TWO, 0.85, 210.0, 90.0),
-        run(summary.TWO, 1.0, two_p99_at_knee, 108.0),
+        run(other, 0.85, 210.0, 90.0),
+        run(other, 1.0, two_p99_at_knee, 108.0),
     ]
     plan = {"slo_ms": 500.0, "fixed": [0.85, 1.0], "warmup_s": 40, "window_s": 8, "time_scale": 1}
-    return {"settings": {"plan": plan, "worker_capacity_rps": 27.0}, "runs": runs}
+    configurations = {name: asdict(CONFIGURATIONS[name]) for name in (summary.ONE, other)}
+    settings = {"plan": plan, "worker_capacity_rps": 27.0, "configurations": configurations}
+    return {"settings": settings, "runs": runs}
 
 
 def test_the_summary_compares_two_gateways_with_one_per_scenario() -> None:
@@ -96,8 +101,23 @@ def test_the_summary_compares_two_gateways_with_one_per_scenario() -> None:
 def test_a_worse_second_gateway_fails_the_checks() -> None:
     result = summary.summarise(document(two_p99_at_knee=5000.0))
     verdicts = {check["check"]: check["result"] for check in result["checks"]}
-    assert verdicts["a_identical at 1 K: TTFT p99 <= 1.2x one gateway's"] == "FAIL"
+    assert verdicts["a_identical at 1 K: two gateways: TTFT p99 <= 1.2x one gateway's"] == "FAIL"
     assert list(verdicts.values()).count("FAIL") == 2  # its goodput is lower too
+
+
+def test_one_gateway_of_two_processes_is_compared_with_one_gateway_of_one() -> None:
+    doc = document(two_p99_at_knee=5000.0, other=summary.PROCESSES)
+    doc["summary"] = result = summary.summarise(doc)
+    assert result["candidates"] == [summary.PROCESSES]
+    assert set(result["goodput"]["a_identical"]) == {summary.ONE, summary.PROCESSES}
+    verdicts = {check["check"]: check["result"] for check in result["checks"]}
+    name = "a_identical at 1 K: one gateway of 2 processes: TTFT p99 <= 1.2x one gateway's"
+    assert verdicts[name] == "FAIL"
+    assert list(verdicts.values()) == ["FAIL", "PASS", "FAIL"]
+    doc |= {"command": "c", "git_commit": "x", "when": "t", "wall_time_s": 60.0}
+    text = summary.markdown(doc | {"machine": {"cpus": 2}})
+    assert "| a_identical | 1 K = 108.0/s | 50 / 900 | 50 / 5000 | 5.56 | - |" in text
+    assert "`mineru-gateway serve --processes 2`" in text
 
 
 def test_the_defaults_are_the_routing_suites_knee_and_both_scenarios() -> None:
@@ -105,3 +125,27 @@ def test_the_defaults_are_the_routing_suites_knee_and_both_scenarios() -> None:
     assert (args.fractions, args.scenarios, args.e2e) == ((0.85, 1.0), ["a", "c"], ())
     assert args.configurations == ["one_gateway", "two_gateways"]
     assert args.out.name == "replicas.json"
+
+
+async def test_a_gateway_of_two_processes_is_one_port_and_counts_every_process() -> None:
+    """The processes configuration starts `serve --processes 2`, and the group's pids, whose
+    CPU is the router's in every run, hold its children: left out, their CPU would count as
+    other processes' and every run would look disturbed."""
+    procs = fleet.Processes(Path(tempfile.mkdtemp(prefix="replicas-test-")))
+    try:
+        workers = fleet.SimWorkers(procs, time_scale=1.0, speeds=[1.0])
+        workers.start()
+        configuration = CONFIGURATIONS[summary.PROCESSES]
+        group = GatewayGroup("g", configuration, procs, workers.urls, fleet.RouterSettings())
+        await group.ready()
+        assert len(group.urls) == 1
+        assert group.pids[0] == group.members[0].pid  # the parent that keeps them
+        # The two gateway processes (multiprocessing's spawn children; its resource tracker
+        # is in the tree too).
+        assert sum(b"spawn_main" in command for command in _commands(group.pids[1:])) == 2
+    finally:
+        procs.stop_all()
+
+
+def _commands(pids: list[int]) -> list[bytes]:
+    return [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids]

@@ -1,14 +1,18 @@
-"""Two gateway replicas against one, on the routing benchmark's machinery (`benchmarks.routing`).
+"""Gateway configurations against one gateway, on the routing benchmark's machinery
+(`benchmarks.routing`).
 
 What this adds to `benchmarks.routing.suite`, whose run protocol, workload, scenarios and goodput
 it keeps:
 - the "router" is a group of `mineru-gateway serve` processes with the default settings over
-  the same workers: one gateway, or two;
+  the same workers (`CONFIGURATIONS`): one gateway; two gateways (replicas); or one gateway of
+  two processes (`serve --processes 2`, issue 16), whose processes share one port and the kernel
+  spreads the load generator's connections between them;
 - the load generator's session is a `SplitSession`, which sends every other request to the other
   gateway. Each of two gateways then takes half the traffic and knows of the other's requests
   only from the workers' own queues (vLLM /metrics), as replicas behind a Kubernetes Service do
   (a Service spreads connections; one request per connection here, so requests);
-- the report compares the two per scenario: goodput under the TTFT SLO and TTFT p99.
+- the report compares each configuration with one gateway per scenario: goodput under the TTFT
+  SLO and TTFT p99.
 Scenarios: (a) identical workers and (c) extra traffic straight to worker 0, the routing suite's.
 """
 
@@ -18,7 +22,7 @@ import argparse
 import io
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -27,9 +31,23 @@ from benchmarks.routing import fleet, suite, workload
 from benchmarks.routing.runs import stop_on_sigterm
 from benchmarks.routing.stats import RunResult
 
+from mineru_gateway.testing import process_tree
+
 from . import summary
 
-CONFIGURATIONS = {"one_gateway": 1, "two_gateways": 2}  # name -> gateway processes
+
+@dataclass(frozen=True)
+class Configuration:
+    gateways: int  # replicas, each sent its share of the requests in turn
+    processes: int = 1  # `serve --processes` of each
+
+
+CONFIGURATIONS = {
+    summary.ONE: Configuration(1),
+    summary.TWO: Configuration(2),
+    summary.PROCESSES: Configuration(1, processes=2),
+}
+DEFAULT_CONFIGURATIONS = [summary.ONE, summary.TWO]
 RESULTS = suite.RESULTS
 
 
@@ -59,20 +77,24 @@ class SplitSession:
 
 
 class GatewayGroup:
-    """`count` gateways (`mineru-gateway serve`, queue policy) over the same workers; `url` is
-    the first one's, which `SplitSession` spreads over all of them."""
+    """The gateways of a configuration (`mineru-gateway serve`, queue policy) over the same
+    workers; `url` is the first one's, which `SplitSession` spreads over all of them."""
 
     def __init__(
         self,
         name: str,
-        count: int,
+        configuration: Configuration,
         procs: fleet.Processes,
         workers: Sequence[str],
         settings: fleet.RouterSettings,
     ) -> None:
         self.spec = replace(fleet.ROUTERS["queue"], name=name)
+        if configuration.processes > 1:
+            extra = ("--processes", str(configuration.processes))
+            settings = replace(settings, gateway_args=(*settings.gateway_args, *extra))
         self.members = [
-            fleet.RunningRouter(self.spec, procs, workers, settings) for _ in range(count)
+            fleet.RunningRouter(self.spec, procs, workers, settings)
+            for _ in range(configuration.gateways)
         ]
 
     @property
@@ -85,7 +107,8 @@ class GatewayGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [member.pid for member in self.members]
+        """Every process of every gateway: `serve --processes N`'s children count too."""
+        return [pid for member in self.members for pid in process_tree(member.pid)]
 
     async def ready(self) -> GatewayGroup:
         for member in self.members:
@@ -150,7 +173,9 @@ class ReplicaResults(suite.SuiteResults):
 
     def settings(self) -> dict[str, Any]:
         settings = super().settings()
-        settings["configurations"] = {name: CONFIGURATIONS[name] for name in self.configurations}
+        settings["configurations"] = {
+            name: asdict(CONFIGURATIONS[name]) for name in self.configurations
+        }
         return settings
 
     def save_final(self) -> None:
@@ -167,7 +192,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run of the whole pipeline")
     parser.add_argument("--scenarios", type=suite._names, default=["a", "c"])
     parser.add_argument(
-        "--configurations", type=suite._names, default=list(CONFIGURATIONS), help="of both"
+        "--configurations",
+        type=suite._names,
+        default=list(DEFAULT_CONFIGURATIONS),
+        help=f"from {', '.join(CONFIGURATIONS)} ({summary.ONE} is the reference)",
     )
     suite._add_plan_arguments(parser)
     suite._add_fleet_arguments(parser)
