@@ -76,7 +76,7 @@ def run(router: str, fraction: float, p99: float | None, rate: float) -> dict[st
     return asdict(result)
 
 
-def document(two_p99_at_knee: float, other: str = summary.TWO) -> dict[str, Any]:
+def document(two_p99_at_knee: float | None, other: str = summary.TWO) -> dict[str, Any]:
     runs = [
         run(summary.ONE, 0.85, 200.0, 90.0),
         run(summary.ONE, 1.0, 900.0, 108.0),
@@ -118,6 +118,13 @@ def test_one_gateway_of_two_processes_is_compared_with_one_gateway_of_one() -> N
     text = summary.markdown(doc | {"machine": {"cpus": 2}})
     assert "| a_identical | 1 K = 108.0/s | 50 / 900 | 50 / 5000 | 5.56 | - |" in text
     assert "`mineru-gateway serve --processes 2`" in text
+
+
+def test_a_rate_where_neither_configuration_answered_in_time_is_not_a_pass() -> None:
+    doc = document(two_p99_at_knee=None)  # censored: the tail outlasted the run
+    assert summary.summarise(doc)["checks"][2]["result"] == "FAIL"  # against a measured 900 ms
+    doc["runs"][1]["ttft_ms"]["p99"] = None  # one gateway censored at 1 K too
+    assert summary.summarise(doc)["checks"][2]["result"] == "n/a"
 
 
 def test_the_defaults_are_the_routing_suites_knee_and_both_scenarios() -> None:

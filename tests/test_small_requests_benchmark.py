@@ -4,6 +4,8 @@ summary against vllm-router, py-spy's stacks and the Markdown (benchmarks/small_
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import math
 import sys
@@ -19,6 +21,7 @@ from benchmarks.small_requests import (
     chat_body,
     markdown,
     nginx_config,
+    noise_png,
     parse_wrk,
     summarize,
     top_frames,
@@ -27,7 +30,9 @@ from benchmarks.small_requests import (
 )
 from benchmarks.small_requests.__main__ import groups, rotated
 from benchmarks.small_requests.upstream import answers
+from PIL import Image
 
+from mineru_gateway.images import data_url_payload, image_size
 from mineru_gateway.testing import free_port, wait_http_ok
 
 FIXTURES = Path(__file__).parent / "fixtures" / "small_requests"
@@ -61,6 +66,22 @@ def test_wrk_script_posts_the_body_and_reports_with_the_mark() -> None:
     assert json.loads(body)["model"] == "m"
 
 
+def test_a_page_image_body_carries_a_png_the_gateway_reads_of_about_the_size_asked() -> None:
+    body = json.loads(chat_body("m", image_kb=300))
+    [image, text] = body["messages"][0]["content"]
+    assert text == {"type": "text", "text": "Benchmark.\nText Recognition:"}
+    payload = data_url_payload(image["image_url"]["url"])
+    assert payload is not None
+    assert image_size(payload) == (554, 554)  # 554 x 554 greyscale bytes: 300 KB
+    png = base64.b64decode(payload)
+    assert 300 * 1024 < len(png) < 310 * 1024
+    assert png == noise_png(300)  # seeded: every run sends the same bytes
+    with Image.open(io.BytesIO(png)) as decoded:  # a real decoder reads all of it
+        decoded.load()
+        assert (decoded.size, decoded.mode) == ((554, 554), "L")
+    assert "image_url" not in chat_body("m").decode()
+
+
 def test_wrk_script_refuses_a_body_that_ends_the_long_string() -> None:
     with pytest.raises(ValueError):
         wrk_script(b'{"a":"]==]"}')
@@ -72,6 +93,8 @@ def test_nginx_config_has_both_upstreams_keepalive_and_local_paths(tmp_path: Pat
     assert "keepalive 128;" in text and 'proxy_set_header Connection "";' in text
     assert "listen 127.0.0.1:8080;" in text and "daemon off;" in text
     assert f"proxy_temp_path {tmp_path / 'proxy'};" in text
+    # Page images are taken (nginx refuses bodies over 1 MB by default) and held in memory.
+    assert "client_max_body_size 64m;" in text and "client_body_buffer_size 64m;" in text
     assert "user root;" not in text
     assert text.count("{") == text.count("}")
     assert nginx_config(8080, [], tmp_path, True).startswith("user root;\n")

@@ -9,9 +9,14 @@ are started in `__main__`.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
+import random
 import re
 import statistics
+import struct
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -47,10 +52,40 @@ def wrk_script(body: bytes) -> str:
     )
 
 
-def chat_body(model: str, max_tokens: int = 8) -> bytes:
-    message = {"role": "user", "content": "Benchmark.\nText Recognition:"}
+def chat_body(model: str, max_tokens: int = 8, image_kb: int = 0) -> bytes:
+    """The request every run sends: a short prompt; with `image_kb`, also a page image of about
+    that many kilobytes as a base64 data URL, as MinerU's client sends pages."""
+    text = "Benchmark.\nText Recognition:"
+    content: Any = text
+    if image_kb > 0:
+        image = base64.b64encode(noise_png(image_kb)).decode()
+        content = [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+            {"type": "text", "text": text},
+        ]
+    message = {"role": "user", "content": content}
     request = {"model": model, "messages": [message], "max_tokens": max_tokens, "temperature": 0}
     return json.dumps(request, separators=(",", ":")).encode()
+
+
+def noise_png(kilobytes: int) -> bytes:
+    """A valid greyscale PNG of seeded noise, square, about `kilobytes` KB (noise does not
+    compress, so its size is its pixel count): a page image's bytes without a page."""
+    side = max(1, round(math.sqrt(kilobytes * 1024)))
+    noise = random.Random(0).randbytes(side * side)
+    rows = b"".join(b"\0" + noise[row * side : (row + 1) * side] for row in range(side))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows, 1))
+        + chunk(b"IEND", b"")
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +120,10 @@ def parse_wrk(output: str) -> WrkResult:
 
 def nginx_config(port: int, upstreams: Sequence[str], directory: Path, as_root: bool) -> str:
     """nginx as a plain reverse proxy: one worker, keep-alive to both upstreams, no access log
-    (the gateway at `--log-level warning` writes none either), everything in `directory`."""
+    (the gateway at `--log-level warning` writes none either), everything in `directory`.
+    Request bodies up to 64 MB (the gateway's default limit) are taken and held in memory, as the
+    gateway holds them: by default nginx refuses bodies over 1 MB and writes any over 16 KB (a
+    page image) to a temporary file first."""
     servers = "".join(f"    server {url.removeprefix('http://')};\n" for url in upstreams)
     temp = "".join(
         f"  {kind}_temp_path {directory / kind};\n"
@@ -97,6 +135,7 @@ def nginx_config(port: int, upstreams: Sequence[str], directory: Path, as_root: 
         + f"pid {directory / 'nginx.pid'};\nerror_log {directory / 'error.log'} warn;\n"
         + "events { worker_connections 4096; }\n"
         + "http {\n  access_log off;\n"
+        + "  client_max_body_size 64m;\n  client_body_buffer_size 64m;\n"
         + temp
         + f"  upstream workers {{\n{servers}    keepalive 128;\n  }}\n"
         + f"  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n"
@@ -252,6 +291,11 @@ def profile_section(profile: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _image_note(settings: Mapping[str, Any]) -> str:
+    kilobytes = settings.get("image_kb", 0)
+    return f": a {kilobytes} KB PNG page image as a base64 data URL" if kilobytes else ""
+
+
 def markdown(document: Mapping[str, Any]) -> str:
     settings = document["settings"]
     parts = [
@@ -261,8 +305,8 @@ def markdown(document: Mapping[str, Any]) -> str:
         f"commit {document['git_commit']}).",
         "",
         f"wrk `-t{settings['threads']} -c{settings['connections']} -d{settings['duration_s']:g}s`"
-        f" after a {settings['warmup_s']:g} s warm-up, POST {CHAT} ({settings['body_bytes']} "
-        "bytes), two raw-asyncio upstreams answering at once; "
+        f" after a {settings['warmup_s']:g} s warm-up, POST {CHAT} ({settings['body_bytes']:,} "
+        f"bytes{_image_note(settings)}), two raw-asyncio upstreams answering at once; "
         f"{settings['rounds']} rounds alternating proxies, medians. CPU is the proxy's process "
         "tree (/proc) during the measured run.",
         "",

@@ -127,7 +127,7 @@ class Bench:
         """One wrk per url, all at once; their outputs in the same order."""
         script = self.procs.log_dir / "post.lua"
         if not script.exists():
-            script.write_text(wrk_script(chat_body(self.args.model)))
+            script.write_text(wrk_script(chat_body(self.args.model, image_kb=self.args.image_kb)))
         started = [
             subprocess.Popen(
                 [
@@ -228,6 +228,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=fleet.MODEL)
+    parser.add_argument(
+        "--image-kb", type=int, default=0, help="send a page image of about this many KB too"
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway afterwards")
     parser.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
     parser.add_argument("--out", type=Path, default=suite.RESULTS / "small_requests.json")
@@ -280,7 +283,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
         for group in groups(args, r)
         for run in bench.measure(group, r)
     ]
-    body = chat_body(args.model)
+    body = chat_body(args.model, image_kb=args.image_kb)
     document = {
         "settings": {
             "threads": args.threads,
@@ -290,6 +293,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
             "rounds": args.rounds,
             "model": args.model,
             "body_bytes": len(body),
+            "image_kb": args.image_kb,
             "proxies": args.proxies,
             "candidates": args.candidates,
             "together": args.together,
