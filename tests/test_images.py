@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from mineru_gateway.images import Base64Prefix, data_url_payload, image_size
+from mineru_gateway.images import Base64Prefix, data_url_start, image_size
 
 
 def encoded(image: Image.Image, format: str, **options: object) -> str:
@@ -67,10 +67,25 @@ def test_the_size_is_read_from_the_header(text: str, size: tuple[int, int]) -> N
     assert image_size(text) == size
 
 
+def wrap(text: str, width: int = 76, newline: str = "\n") -> str:
+    return newline.join(text[i : i + width] for i in range(0, len(text), width))
+
+
 def test_wrapped_base64_is_read_as_well() -> None:
-    text = encoded(PAGE, "PNG")
-    wrapped = "\n".join(text[i : i + 76] for i in range(0, len(text), 76))
-    assert image_size(wrapped) == (1240, 1754)
+    assert image_size(wrap(encoded(PAGE, "PNG"))) == (1240, 1754)
+    # A JPEG's frame header kilobytes in, past many line ends (and CRLF ones).
+    exif = encoded(PAGE, "JPEG", exif=b"Exif\0\0" + b"\0" * 20_000)
+    assert image_size(wrap(exif, newline="\r\n")) == (1240, 1754)
+    assert image_size(wrap(exif, width=7, newline=" ")) == (1240, 1754)
+
+
+def test_the_size_is_read_where_the_base64_starts_in_a_longer_text() -> None:
+    url = "data:image/png;base64," + encoded(PAGE, "PNG")
+    start = data_url_start(url)
+    assert start == len("data:image/png;base64,")
+    assert image_size(url, start) == (1240, 1754)
+    wrapped = "data:image/jpeg;base64," + wrap(encoded(PAGE, "JPEG", icc_profile=b"\0" * 9000))
+    assert image_size(wrapped, data_url_start(wrapped)) == (1240, 1754)
 
 
 @pytest.mark.parametrize(
@@ -102,12 +117,21 @@ def test_broken_base64_is_none_not_an_error() -> None:
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.binary(max_size=200), st.integers(0, 220), st.integers(0, 40))
-def test_any_slice_reads_as_the_decoded_bytes(data: bytes, start: int, length: int) -> None:
-    assert (
-        Base64Prefix(base64.b64encode(data).decode()).read(start, length)
-        == (data[start : start + length])
-    )
+@given(
+    st.binary(max_size=200),
+    st.lists(st.tuples(st.integers(0, 220), st.integers(0, 40)), min_size=1, max_size=4),
+    st.text(alphabet="ab", max_size=5),
+    st.integers(1, 80),
+)
+def test_any_slice_reads_as_the_decoded_bytes(
+    data: bytes, reads: list[tuple[int, int]], prefix: str, width: int
+) -> None:
+    """Reads in any order, from base64 after any prefix, wrapped at any width or not."""
+    text = base64.b64encode(data).decode()
+    for body in (text, wrap(text, width), wrap(text, width, "\r\n")):
+        source = Base64Prefix(prefix + body, len(prefix))
+        for start, length in reads:
+            assert source.read(start, length) == data[start : start + length]
 
 
 @pytest.mark.parametrize(
@@ -120,4 +144,5 @@ def test_any_slice_reads_as_the_decoded_bytes(data: bytes, start: int, length: i
     ],
 )
 def test_the_payload_of_a_data_url(url: str, payload: str | None) -> None:
-    assert data_url_payload(url) == payload
+    start = data_url_start(url)
+    assert (None if start is None else url[start:]) == payload

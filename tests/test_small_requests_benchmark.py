@@ -32,7 +32,7 @@ from benchmarks.small_requests.__main__ import groups, rotated
 from benchmarks.small_requests.upstream import answers
 from PIL import Image
 
-from mineru_gateway.images import data_url_payload, image_size
+from mineru_gateway.images import data_url_start, image_size
 from mineru_gateway.testing import free_port, wait_http_ok
 
 FIXTURES = Path(__file__).parent / "fixtures" / "small_requests"
@@ -70,10 +70,11 @@ def test_a_page_image_body_carries_a_png_the_gateway_reads_of_about_the_size_ask
     body = json.loads(chat_body("m", image_kb=300))
     [image, text] = body["messages"][0]["content"]
     assert text == {"type": "text", "text": "Benchmark.\nText Recognition:"}
-    payload = data_url_payload(image["image_url"]["url"])
-    assert payload is not None
-    assert image_size(payload) == (554, 554)  # 554 x 554 greyscale bytes: 300 KB
-    png = base64.b64decode(payload)
+    url = image["image_url"]["url"]
+    start = data_url_start(url)
+    assert start is not None
+    assert image_size(url, start) == (554, 554)  # 554 x 554 greyscale bytes: 300 KB
+    png = base64.b64decode(url[start:])
     assert 300 * 1024 < len(png) < 310 * 1024
     assert png == noise_png(300)  # seeded: every run sends the same bytes
     with Image.open(io.BytesIO(png)) as decoded:  # a real decoder reads all of it

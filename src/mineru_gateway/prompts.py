@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from mineru_gateway import images
-from mineru_gateway.images import data_url_payload
+from mineru_gateway.images import data_url_start
 from mineru_gateway.values import value
 
 PATCH_PIXELS = 28  # Qwen2-VL: 14-pixel patches, merged 2x2 into one token
@@ -73,13 +73,13 @@ def image_tokens(url: str) -> int:
 
 def image_size(url: str) -> tuple[int, int]:
     """Width and height from a base64 data URL's header, else estimated from its size."""
-    payload = data_url_payload(url)
-    if payload is None:
+    start = data_url_start(url)
+    if start is None:
         return DEFAULT_IMAGE_SIDE, DEFAULT_IMAGE_SIDE
-    size = images.image_size(payload)
+    size = images.image_size(url, start)
     if size is not None and size[0] > 0 and size[1] > 0:
         return size
-    return size_from_bytes(len(payload) * 3 // 4)
+    return size_from_bytes((len(url) - start) * 3 // 4)
 
 
 def size_from_bytes(num_bytes: int) -> tuple[int, int]:

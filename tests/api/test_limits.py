@@ -12,7 +12,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from mineru_gateway.api.limits import RequestLimits
+from mineru_gateway.api.limits import COUNT_BRACKETS_UP_TO, RequestLimits
 from mineru_gateway.errors import GatewayError, HeadersTooLarge, InvalidRequest
 from tests.conftest import StartGateway
 from tests.support.workers import Script
@@ -100,6 +100,23 @@ def test_depth_is_judged_the_same_with_the_text_it_was_parsed_from(depth: int) -
             limits.check_payload(orjson.loads(deep), deep)
     shallow = orjson.dumps(chat(extra="[[[[{{{{[[[[{{{{"))
     limits.check_payload(orjson.loads(shallow), shallow)
+
+
+@pytest.mark.parametrize("depth", [8, 9])
+def test_a_large_body_is_walked_for_its_depth_whatever_its_brackets(depth: int) -> None:
+    """Past `COUNT_BRACKETS_UP_TO` bytes (a page image) the depth is walked, not counted: the
+    same verdicts, brackets in strings or not."""
+    limits = RequestLimits(max_json_depth=8)
+    padding = "A" * COUNT_BRACKETS_UP_TO + "[[[[{{{{[[[[{{{{"
+    body = nested(depth)
+    body["padding"] = padding
+    text = orjson.dumps(body)
+    assert len(text) > COUNT_BRACKETS_UP_TO
+    if depth == 8:
+        limits.check_payload(orjson.loads(text), text)
+    else:
+        with pytest.raises(InvalidRequest, match="deeper than 8"):
+            limits.check_payload(orjson.loads(text), text)
 
 
 def test_the_image_message_says_what_is_wrong() -> None:
