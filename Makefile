@@ -9,8 +9,8 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
-	bench-thirdparty bench-memory bench-small-requests bench-request-path \
-	bench-routing bench-routing-vllm bench-replicas bench-flow bench-flow-vllm mineru-vl-utils \
+	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-request-path \
+	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router clean
 
 $(VENV)/.installed: pyproject.toml
@@ -129,6 +129,15 @@ bench-small-requests: install vllm-router
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
 	$(BIN)/python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
 
+## The same with a 300 KB PNG page image in every request, as MinerU sends pages (about 3
+## minutes). Results: benchmarks/results/small_requests_image.*
+bench-page-images: install vllm-router
+	@command -v nginx >/dev/null && command -v wrk >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
+	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-raw \
+		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
+
 ## The gateway's own work per small request, its app called in-process against instant upstreams:
 ## CPU and instructions per request (valgrind's callgrind: the same on every run, for comparing
 ## changes; about 5 minutes). Results: benchmarks/results/request_path.*
@@ -153,6 +162,13 @@ bench-thirdparty: install
 ## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
+
+## One gateway of 2 processes (`serve --processes 2`) against one of one, direct traffic
+## (issue 16; about 12 minutes). Results: benchmarks/results/replicas_processes.*
+bench-processes-routing: install
+	$(BIN)/python -m benchmarks.replicas --scenarios c \
+		--configurations one_gateway,one_gateway_2_processes --fractions 0.85,1.0,1.15 \
+		--out benchmarks/results/replicas_processes.json
 
 ## Ten minutes of mixed load with a fault every 50 s (workers killed, frozen, failing; slow,
 ## idle and vanishing clients): requests lost, the gateway's RSS and descriptors at start and end
