@@ -1,14 +1,18 @@
 """The gateway's server protocol and the client link it hands the relay (api/connection.py), on a
 real uvicorn server: whole answers in one write that keep uvicorn's keep-alive, `Connection:
 close` and pipelining; a lost connection reported once, also to a late caller; no link under
-uvicorn's own protocols, and the relay's disconnect handling on both paths."""
+uvicorn's own protocols; the relay's disconnect handling, and large request bodies (in pieces,
+chunked, over the limit, after `100 Continue`, pipelined, cut off), the same on both paths."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -171,3 +175,158 @@ def test_the_gateways_requests_leave_no_reference_cycles(
             gc.set_debug(0)
             gc.garbage.clear()
     assert cyclic == set()
+
+
+def _gateway(worker: str, http: Any, **settings: Any) -> Any:
+    app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2, **settings))
+    return serve(app, http=http)
+
+
+def _chat(padding: int) -> bytes:
+    """A chat request of about `padding` bytes, as a page image makes them."""
+    body = {"model": "echo-model", "messages": [{"role": "user", "content": "x" * padding}]}
+    return json.dumps(body).encode()
+
+
+def _post_head(length: int | None, extra: str = "") -> bytes:
+    size = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{size}\r\n{extra}\r\n"
+    return head.encode()
+
+
+def _answers(client: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """The next `count` answers on `client` (sized bodies): status and body of each."""
+    buffer, answers = b"", []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in buffer:
+            buffer += client.recv(65536) or _closed()
+        head, buffer = buffer.split(b"\r\n\r\n", 1)
+        status = int(head.split(b" ", 2)[1])
+        if status == 100:
+            answers.append((100, b""))
+            continue
+        length = int(
+            next(
+                line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+            ).split(b":")[1]
+        )
+        while len(buffer) < length:
+            buffer += client.recv(65536) or _closed()
+        answers.append((status, buffer[:length]))
+        buffer = buffer[length:]
+    return answers
+
+
+def _closed() -> bytes:
+    raise AssertionError("the gateway closed the connection")
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+@pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
+def test_a_large_body_sent_in_pieces_reaches_the_worker_whole(
+    scripted: tuple[Script, str], http: Any
+) -> None:
+    """400 KB arriving over many reads and pauses, then a second request on the same
+    connection: both reach the worker byte for byte."""
+    script, worker = scripted
+    body = _chat(400_000)
+    with _gateway(worker, http) as gateway, _connect(gateway) as client:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        client.sendall(_post_head(len(body)))
+        for start in range(0, len(body), 50_000):
+            client.sendall(body[start : start + 50_000])
+            time.sleep(0.01)
+        client.sendall(_post_head(len(body)) + body)
+        answers = _answers(client, 2)
+    assert [status for status, _ in answers] == [200, 200]
+    digest = hashlib.sha256(body).hexdigest()
+    assert [(seen["size"], seen["sha256"]) for seen in script.seen] == [(len(body), digest)] * 2
+
+
+@pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
+def test_a_chunked_body_is_taken_up_to_the_limit_and_refused_past_it(
+    scripted: tuple[Script, str], http: Any
+) -> None:
+    """No Content-Length to refuse up front: the body is counted as it arrives, all at once or
+    in pieces while the relay waits for it. Within the limit it is relayed; past it, 413 in
+    OpenAI's form and nothing sent to the worker; the connection still serves the next
+    request."""
+    script, worker = scripted
+    small, large = _chat(20_000), _chat(150_000)
+
+    def send_chunked(client: socket.socket, data: bytes, pause_s: float) -> None:
+        client.sendall(_post_head(None))
+        for start in range(0, len(data), 30_000):
+            piece = data[start : start + 30_000]
+            client.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+            time.sleep(pause_s)
+        client.sendall(b"0\r\n\r\n")
+
+    with _gateway(worker, http, max_body_bytes=100_000) as gateway, _connect(gateway) as client:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        for pause_s in (0.0, 0.05):
+            send_chunked(client, small, pause_s)
+            [(status, _)] = _answers(client, 1)
+            assert status == 200
+            send_chunked(client, large, pause_s)
+            [(status, answer)] = _answers(client, 1)
+            assert status == 413
+            assert json.loads(answer)["error"]["code"] == "request_too_large"
+        client.sendall(_post_head(len(small)) + small)
+        [(status, _)] = _answers(client, 1)
+        assert status == 200
+    assert [seen["size"] for seen in script.seen] == [len(small)] * 3
+
+
+@pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
+def test_the_body_follows_100_continue(scripted: tuple[Script, str], http: Any) -> None:
+    """A client that asks first (`Expect: 100-continue`, as curl does for large bodies) is
+    told to go on, and its body then relayed."""
+    script, worker = scripted
+    body = _chat(200_000)
+    with _gateway(worker, http) as gateway, _connect(gateway) as client:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        client.sendall(_post_head(len(body), "Expect: 100-continue\r\n"))
+        assert _answers(client, 1) == [(100, b"")]
+        client.sendall(body)
+        [(status, _)] = _answers(client, 1)
+    assert status == 200
+    assert [seen["size"] for seen in script.seen] == [len(body)]
+
+
+@pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
+def test_a_client_leaving_mid_body_sends_nothing_to_the_worker(
+    scripted: tuple[Script, str], http: Any
+) -> None:
+    script, worker = scripted
+    body = _chat(300_000)
+    with _gateway(worker, http) as gateway:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        with _connect(gateway) as client:
+            client.sendall(_post_head(len(body)) + body[:100_000])
+            time.sleep(0.2)
+
+        def counted() -> bool:
+            text = httpx.get(gateway + "/metrics").text
+            return 'outcome="client_disconnected"' in text
+
+        wait_until(counted, 10, "the request counted as the client's leaving")
+        assert httpx.get(gateway + "/v1/workers").json()["workers"][0]["in_flight"] == 0
+    assert script.seen == []
+
+
+def test_pipelined_requests_with_bodies_are_answered_in_order(
+    scripted: tuple[Script, str],
+) -> None:
+    script, worker = scripted
+    bodies = [_chat(size) for size in (100_000, 10, 70_000)]
+    with _gateway(worker, GatewayHttpProtocol) as gateway, _connect(gateway) as client:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        client.sendall(b"".join(_post_head(len(body)) + body for body in bodies))
+        answers = _answers(client, 3)
+    assert [status for status, _ in answers] == [200, 200, 200]
+    assert [seen["size"] for seen in script.seen] == [len(body) for body in bodies]
