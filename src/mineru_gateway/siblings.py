@@ -113,15 +113,17 @@ class _Fixed(Collector):
         return self._families
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Siblings:
-    """This process's place among the gateway's processes, and its way to the others."""
+    """This process's place among the gateway's processes, and its way to the others: a client
+    that keeps a session per sibling, so an object with state, compared by identity (not a
+    frozen value). Made before the processes start and handed to each (pickled, sessionless)."""
 
     index: int
     count: int
     directory: Path
     _sessions: dict[int, aiohttp.ClientSession] = field(
-        default_factory=dict, repr=False, compare=False
+        default_factory=dict, init=False, repr=False
     )
 
     def socket_path(self, index: int) -> Path:
