@@ -269,6 +269,24 @@ async def test_get_json_reads_a_document_and_maps_what_is_not_one() -> None:
                 await client.get_ok(url + "/health", 0.2)
 
 
+async def test_a_get_has_one_deadline_for_its_headers_and_its_body() -> None:
+    """A body that does not come with the headers is waited for with what is left of the
+    GET's time, not a time of its own."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n"
+    async with upstream() as client:
+        async with worker([Raw(head + b"ok"), Pause(0.05), Raw(b"ok")]) as url:
+            assert await client.get_ok(url + "/health", 1.0) == b"okok"
+        async with worker([Raw(head + b"ok"), Pause(5.0)]) as url:
+            started = time.monotonic()
+            with pytest.raises(UpstreamTimeout, match=r"took longer than 0\.3 s"):
+                await client.get_ok(url + "/health", 0.3)
+            assert time.monotonic() - started < 2.0
+        # headers late, body later: each within 0.3 s, together not
+        async with worker([Pause(0.2), Raw(head), Pause(0.2), Raw(b"okok")]) as url:
+            with pytest.raises(UpstreamTimeout, match=r"took longer than 0\.3 s"):
+                await client.get_ok(url + "/health", 0.3)
+
+
 async def test_an_answer_keeps_its_status_and_content_type() -> None:
     async with worker(answer(400, b'{"error": {}}')) as url, upstream() as client:
         response = await post(client, url)

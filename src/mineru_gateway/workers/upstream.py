@@ -9,6 +9,7 @@ machines (docs/proxy-costs.md; our own figures in benchmarks/results/).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,17 +128,12 @@ class UpstreamResponse:
         whole = self._answer.whole()
         if whole is not None:
             return whole  # a small answer usually arrives with its headers: no timer needed
-        deadline = Deadline(self._timeouts.first_byte_s)  # cheaper than asyncio.timeout
         try:
-            return await self._answer.read()
-        except asyncio.CancelledError:
-            if deadline.expired():
-                raise UpstreamTimeout("worker did not finish its answer in time") from None
-            raise
+            return await _read_within(self._answer, self._timeouts.first_byte_s)
+        except TimeoutError:
+            raise UpstreamTimeout("worker did not finish its answer in time") from None
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
-        finally:
-            deadline.cancel()
 
     async def iter_chunks(self, sink: Sink | None = None) -> AsyncIterator[bytes]:
         """Yields body bytes as they arrive, never waiting to merge them.
@@ -232,12 +228,18 @@ class UpstreamClient:
             raise UpstreamError(f"GET {url} did not answer JSON: {exc}") from exc
 
     async def get_ok(self, url: str, timeout_s: float) -> bytes:
-        """GET `url`, expecting 200 (a worker's /health); returns the body."""
+        """GET `url`, expecting 200 (a worker's /health, its load series); returns the body.
+
+        One deadline for the whole GET: the pool's for the headers, and for a body that did not
+        come with them (it usually does), what is left of it. These GETs run ten times a second
+        with two workers; a second timer around every one was idle work."""
+        started = time.monotonic()
         answer: Answer | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                answer = await self.pool.request("GET", url, {}, b"", timeout_s)
-                body = await answer.read()
+            answer = await self.pool.request("GET", url, {}, b"", timeout_s)
+            body = answer.whole()
+            if body is None:
+                body = await _read_within(answer, started + timeout_s - time.monotonic())
         except TimeoutError:
             raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
         except ConnectFailed as exc:
@@ -250,3 +252,17 @@ class UpstreamClient:
         if answer.status != 200:
             raise UpstreamStatusError(f"GET {url} answered {answer.status}")
         return body
+
+
+async def _read_within(answer: Answer, seconds: float) -> bytes:
+    """`answer`'s whole body, or TimeoutError once `seconds` have passed (a `Deadline`: cheaper
+    than asyncio.timeout)."""
+    deadline = Deadline(max(0.0, seconds))
+    try:
+        return await answer.read()
+    except asyncio.CancelledError:
+        if deadline.expired():
+            raise TimeoutError from None
+        raise
+    finally:
+        deadline.cancel()
