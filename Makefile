@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-vllm mineru-vl-utils \
-	bench-mineru-client bench-soak vllm-router clean
+	bench-mineru-client bench-soak vllm-router wrk-nginx clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -120,21 +120,21 @@ bench-seed: install vllm
 bench-memory: install
 	$(BIN)/python -m benchmarks.memory --out benchmarks/results/memory.json
 
-## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
-## processes), vllm-router, nginx and a bare Python relay (about 3 minutes; Debian's nginx and wrk).
-## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
-bench-small-requests: install vllm-router
+## Debian's wrk and nginx, for the small-request benchmarks.
+wrk-nginx:
 	@command -v nginx >/dev/null && command -v wrk >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
+
+## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
+## processes), vllm-router, nginx and a bare Python relay (about 3 minutes; Debian's nginx and wrk).
+## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
+bench-small-requests: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
 
 ## The same with a 300 KB PNG page image in every request, as MinerU sends pages (about 3
 ## minutes). Results: benchmarks/results/small_requests_image.*
-bench-page-images: install vllm-router
-	@command -v nginx >/dev/null && command -v wrk >/dev/null || { \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
+bench-page-images: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-raw \
 		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
 

@@ -39,7 +39,6 @@ class Base64Prefix:
         self._text = text
         self._start = start
         self._clean = start  # text[start:_clean] holds no whitespace
-        self._stripped = False
 
     def read(self, start: int, length: int) -> bytes:
         first = start // 3 * 4
@@ -55,11 +54,11 @@ class Base64Prefix:
     def _chars(self, first: int, last: int) -> str:
         """Characters [first, last) of the base64 text without whitespace."""
         end = self._start + last
-        if not self._stripped and end > self._clean:
+        if end > self._clean:
             text, scan_to = self._text, min(end, len(self._text))
             if any(text.find(space, self._clean, scan_to) >= 0 for space in _WHITESPACE):
                 self._text = "".join(text[self._start :].split())
-                self._start, self._stripped = 0, True
+                self._start, self._clean = 0, len(self._text)  # all of it clean now
             else:
                 self._clean = scan_to
         return self._text[self._start + first : self._start + last]

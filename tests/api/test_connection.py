@@ -24,6 +24,7 @@ import pytest
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
 from mineru_gateway.config import GatewaySettings
+from tests.support.raw_http import chunk, content_length
 from tests.support.servers import serve, wait_until
 from tests.support.workers import Script
 
@@ -138,9 +139,7 @@ def test_a_client_leaving_cancels_the_worker_request_on_either_path(
 ) -> None:
     script, worker = scripted
     script.mode = "hang"
-    app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2))
-    with serve(app, http=http) as gateway:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+    with _gateway(worker, http) as gateway:
         body = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
@@ -177,9 +176,13 @@ def test_the_gateways_requests_leave_no_reference_cycles(
     assert cyclic == set()
 
 
-def _gateway(worker: str, http: Any, **settings: Any) -> Any:
+@contextmanager
+def _gateway(worker: str, http: Any, **settings: Any) -> Iterator[str]:
+    """The gateway over `worker` on a real uvicorn with protocol `http`, once it is ready."""
     app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2, **settings))
-    return serve(app, http=http)
+    with serve(app, http=http) as gateway:
+        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
+        yield gateway
 
 
 def _chat(padding: int) -> bytes:
@@ -205,11 +208,7 @@ def _answers(client: socket.socket, count: int) -> list[tuple[int, bytes]]:
         if status == 100:
             answers.append((100, b""))
             continue
-        length = int(
-            next(
-                line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
-            ).split(b":")[1]
-        )
+        length = content_length(head)
         while len(buffer) < length:
             buffer += client.recv(65536) or _closed()
         answers.append((status, buffer[:length]))
@@ -235,7 +234,6 @@ def test_a_large_body_sent_in_pieces_reaches_the_worker_whole(
     script, worker = scripted
     body = _chat(400_000)
     with _gateway(worker, http) as gateway, _connect(gateway) as client:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         client.sendall(_post_head(len(body)))
         for start in range(0, len(body), 50_000):
             client.sendall(body[start : start + 50_000])
@@ -262,12 +260,11 @@ def test_a_chunked_body_is_taken_up_to_the_limit_and_refused_past_it(
         client.sendall(_post_head(None))
         for start in range(0, len(data), 30_000):
             piece = data[start : start + 30_000]
-            client.sendall(b"%x\r\n%b\r\n" % (len(piece), piece))
+            client.sendall(chunk(piece))
             time.sleep(pause_s)
         client.sendall(b"0\r\n\r\n")
 
     with _gateway(worker, http, max_body_bytes=100_000) as gateway, _connect(gateway) as client:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         for pause_s in (0.0, 0.05):
             send_chunked(client, small, pause_s)
             [(status, _)] = _answers(client, 1)
@@ -289,7 +286,6 @@ def test_the_body_follows_100_continue(scripted: tuple[Script, str], http: Any) 
     script, worker = scripted
     body = _chat(200_000)
     with _gateway(worker, http) as gateway, _connect(gateway) as client:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         client.sendall(_post_head(len(body), "Expect: 100-continue\r\n"))
         assert _answers(client, 1) == [(100, b"")]
         client.sendall(body)
@@ -305,7 +301,6 @@ def test_a_client_leaving_mid_body_sends_nothing_to_the_worker(
     script, worker = scripted
     body = _chat(300_000)
     with _gateway(worker, http) as gateway:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         with _connect(gateway) as client:
             client.sendall(_post_head(len(body)) + body[:100_000])
             time.sleep(0.2)
@@ -325,7 +320,6 @@ def test_pipelined_requests_with_bodies_are_answered_in_order(
     script, worker = scripted
     bodies = [_chat(size) for size in (100_000, 10, 70_000)]
     with _gateway(worker, GatewayHttpProtocol) as gateway, _connect(gateway) as client:
-        wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         client.sendall(b"".join(_post_head(len(body)) + body for body in bodies))
         answers = _answers(client, 3)
     assert [status for status, _ in answers] == [200, 200, 200]

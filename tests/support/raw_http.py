@@ -17,14 +17,18 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def content_length(head: bytes) -> int:
+    """The Content-Length of a request's or an answer's head (0 without one)."""
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     """The next request on a connection, head and body (framed by Content-Length)."""
     head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":")[1])
-    return head + await reader.readexactly(length)
+    return head + await reader.readexactly(content_length(head))
 
 
 @asynccontextmanager

@@ -375,8 +375,7 @@ class Http1Pool:
         headers did not come within `deadline_s` (a connection made in that time included)."""
         key = self._key(url)
         head = _request_head(method, key, headers, body)
-        deadline = Deadline(deadline_s)
-        try:
+        with Deadline(deadline_s):
             connection = self._take_idle(key) or await self._connect(key)
             self._busy.add(connection)
             try:
@@ -384,12 +383,6 @@ class Http1Pool:
             except BaseException:
                 connection.abort()  # an answer nobody will read: the worker is to stop it
                 raise
-        except asyncio.CancelledError:
-            if deadline.expired():
-                raise TimeoutError from None
-            raise
-        finally:
-            deadline.cancel()
 
     def forget(self, connection: _Connection) -> None:
         self._busy.discard(connection)
@@ -475,7 +468,9 @@ class Http1Pool:
 
 
 class Deadline:
-    """Cancels the current task at a deadline, and tells that cancellation from others."""
+    """`with Deadline(seconds):` cancels the current task at the deadline and turns that
+    cancellation, told from any other, into TimeoutError. One timer: cheaper than
+    asyncio.timeout on paths taken per request."""
 
     __slots__ = ("_fired", "_handle", "_task")
 
@@ -484,18 +479,20 @@ class Deadline:
         assert task is not None
         self._task = task
         self._fired = False
-        self._handle = asyncio.get_running_loop().call_later(seconds, self._fire)
+        self._handle = asyncio.get_running_loop().call_later(max(0.0, seconds), self._fire)
 
     def _fire(self) -> None:
         self._fired = True
         self._task.cancel()
 
-    def expired(self) -> bool:
-        """True (and the cancellation withdrawn) if the cancellation was this deadline's."""
-        return self._fired and self._task.uncancel() == 0
+    def __enter__(self) -> Deadline:
+        return self
 
-    def cancel(self) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: object, trace: object) -> None:
         self._handle.cancel()
+        # The cancellation was this deadline's (and is withdrawn): the time ran out.
+        if kind is asyncio.CancelledError and self._fired and self._task.uncancel() == 0:
+            raise TimeoutError from None
 
 
 def _request_head(method: str, key: _Key, headers: Mapping[str, str], body: bytes) -> bytes:

@@ -129,7 +129,8 @@ class UpstreamResponse:
         if whole is not None:
             return whole  # a small answer usually arrives with its headers: no timer needed
         try:
-            return await _read_within(self._answer, self._timeouts.first_byte_s)
+            with Deadline(self._timeouts.first_byte_s):
+                return await self._answer.read()
         except TimeoutError:
             raise UpstreamTimeout("worker did not finish its answer in time") from None
         except BROKEN_BODY as exc:
@@ -239,7 +240,8 @@ class UpstreamClient:
             answer = await self.pool.request("GET", url, {}, b"", timeout_s)
             body = answer.whole()
             if body is None:
-                body = await _read_within(answer, started + timeout_s - time.monotonic())
+                with Deadline(started + timeout_s - time.monotonic()):
+                    body = await answer.read()
         except TimeoutError:
             raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
         except ConnectFailed as exc:
@@ -252,17 +254,3 @@ class UpstreamClient:
         if answer.status != 200:
             raise UpstreamStatusError(f"GET {url} answered {answer.status}")
         return body
-
-
-async def _read_within(answer: Answer, seconds: float) -> bytes:
-    """`answer`'s whole body, or TimeoutError once `seconds` have passed (a `Deadline`: cheaper
-    than asyncio.timeout)."""
-    deadline = Deadline(max(0.0, seconds))
-    try:
-        return await answer.read()
-    except asyncio.CancelledError:
-        if deadline.expired():
-            raise TimeoutError from None
-        raise
-    finally:
-        deadline.cancel()
