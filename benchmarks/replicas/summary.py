@@ -41,10 +41,7 @@ def _run_at(runs: Sequence[RunResult], scenario: str, router: str, fraction: flo
 
 def candidates(document: dict[str, Any]) -> list[str]:
     """The configurations compared with one gateway, in the order they were run."""
-    named = document["settings"].get("configurations") or {
-        run["router"]: None for run in document["runs"]
-    }
-    return [name for name in named if name != ONE]
+    return [name for name in document["settings"]["configurations"] if name != ONE]
 
 
 def summarise(document: dict[str, Any]) -> dict[str, Any]:
