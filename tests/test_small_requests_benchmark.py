@@ -9,6 +9,7 @@ import io
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -28,8 +29,8 @@ from benchmarks.small_requests import (
     upstream,
     wrk_script,
 )
-from benchmarks.small_requests.__main__ import groups, rotated
-from benchmarks.small_requests.upstream import answers
+from benchmarks.small_requests.__main__ import gateway_argv, groups, request_body, rotated
+from benchmarks.small_requests.upstream import answers, stream_parts
 from PIL import Image
 
 from mineru_gateway.images import data_url_start, image_size
@@ -219,3 +220,82 @@ def test_a_floor_relay_answers_what_the_upstream_answers(mode: str, tmp_path: Pa
         assert [(r.status_code, r.content) for r in relayed] == [(200, direct.content)] * 2
     finally:
         procs.stop_all()
+
+
+def test_a_streamed_answer_is_the_recorded_vllm_stream_with_as_many_token_events_as_asked() -> None:
+    head, token, tail = stream_parts("opendatalab/x")
+    assert b"transfer-encoding: chunked\r\n" in head and head.endswith(b"\r\n\r\n")
+    assert b"content-type: text/event-stream" in head
+    size, event = token.split(b"\r\n", 1)
+    assert int(size, 16) == len(event) - 2 and event.endswith(b"\n\n\r\n")
+    payload = json.loads(event.removeprefix(b"data: ").rstrip())
+    assert payload["model"] == "opendatalab/x" and payload["choices"][0]["delta"]["content"]
+    assert b'"usage":' in tail and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("gap_ms", [0.0, 20.0])
+def test_a_streaming_upstream_streams_every_chat_answer_through_the_gateway(
+    gap_ms: float, tmp_path: Path
+) -> None:
+    """`--stream-events`: the upstreams stream (all at once, or an event every gap), and the
+    gateway relays every event of them, as it relays vLLM's."""
+    procs = Processes(tmp_path)
+    events = 5
+    try:
+        extra = ["--events", str(events), "--gap-ms", f"{gap_ms:g}"]
+        [(upstream_url, _)] = upstream.start(procs, "tiny", count=1, extra=extra)
+        port = free_port()
+        gateway = procs.spawn("gateway", gateway_argv(port, [upstream_url], []))
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", 30, gateway)
+        args = argparse.Namespace(model="tiny", stream_events=events, image_kb=0)
+        body = request_body(args)
+        assert json.loads(body)["stream"] is True and json.loads(body)["max_tokens"] == events
+        started = time.perf_counter()
+        with httpx.stream("POST", f"http://127.0.0.1:{port}{CHAT}", content=body) as answer:
+            lines = [line for line in answer.iter_lines() if line]
+        took = time.perf_counter() - started
+        assert answer.status_code == 200
+        deltas = [line for line in lines if '"content":"' in line]
+        assert len(deltas) == events
+        assert '"usage":' in lines[-2] and lines[-1] == "data: [DONE]"
+        assert took >= (events - 1) * gap_ms / 1000
+        # The upstream is still a plain one for everything else (health, models, load reads).
+        assert httpx.get(upstream_url + "/v1/models").json()["data"][0]["id"] == "tiny"
+    finally:
+        procs.stop_all()
+
+
+def test_nginx_passes_streams_on_unbuffered_only_when_streaming(tmp_path: Path) -> None:
+    assert "proxy_buffering" not in nginx_config(8080, [], tmp_path, False)
+    assert "      proxy_buffering off;\n" in nginx_config(8080, [], tmp_path, False, True)
+
+
+def test_streamed_runs_report_the_cpu_per_token_event() -> None:
+    runs = [make_run("gateway", 1000.0, 4.0), make_run("vllm-router", 1000.0, 2.0)]
+    gateway, router = summarize(runs, events_per_request=64)
+    assert gateway["cpu_us_per_event"] == pytest.approx(500 / 64)
+    assert router["cpu_us_per_event"] == pytest.approx(250 / 64)
+    assert summarize(runs)[0]["cpu_us_per_event"] is None
+    document = {
+        "command": "python -m benchmarks.small_requests --stream-events 64",
+        "when": "2026-01-01T00:00:00Z",
+        "machine": {"cpus": 2},
+        "git_commit": "abc",
+        "settings": {
+            "threads": 1,
+            "connections": 64,
+            "duration_s": 8.0,
+            "warmup_s": 2.0,
+            "body_bytes": 120,
+            "rounds": 2,
+            "stream_events": 64,
+            "event_gap_ms": 2.0,
+        },
+        "summary": [gateway, router],
+        "versions": {},
+    }
+    text = markdown(document)
+    assert text.startswith("# Streamed requests: what a proxy costs per request and per token")
+    assert "streaming each answer as 64 token events" in text and "every 2 ms" in text
+    assert "| CPU per token event |" in text
+    assert "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 7.8 us | 2,000 |" in text

@@ -52,9 +52,10 @@ def wrk_script(body: bytes) -> str:
     )
 
 
-def chat_body(model: str, max_tokens: int = 8, image_kb: int = 0) -> bytes:
+def chat_body(model: str, max_tokens: int = 8, image_kb: int = 0, stream: bool = False) -> bytes:
     """The request every run sends: a short prompt; with `image_kb`, also a page image of about
-    that many kilobytes as a base64 data URL, as MinerU's client sends pages."""
+    that many kilobytes as a base64 data URL, as MinerU's client sends pages; with `stream`, a
+    streamed request."""
     text = "Benchmark.\nText Recognition:"
     content: Any = text
     if image_kb > 0:
@@ -65,6 +66,8 @@ def chat_body(model: str, max_tokens: int = 8, image_kb: int = 0) -> bytes:
         ]
     message = {"role": "user", "content": content}
     request = {"model": model, "messages": [message], "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        request["stream"] = True
     return json.dumps(request, separators=(",", ":")).encode()
 
 
@@ -118,12 +121,15 @@ def parse_wrk(output: str) -> WrkResult:
     )
 
 
-def nginx_config(port: int, upstreams: Sequence[str], directory: Path, as_root: bool) -> str:
+def nginx_config(
+    port: int, upstreams: Sequence[str], directory: Path, as_root: bool, streaming: bool = False
+) -> str:
     """nginx as a plain reverse proxy: one worker, keep-alive to both upstreams, no access log
     (the gateway at `--log-level warning` writes none either), everything in `directory`.
     Request bodies up to 64 MB (the gateway's default limit) are taken and held in memory, as the
     gateway holds them: by default nginx refuses bodies over 1 MB and writes any over 16 KB (a
-    page image) to a temporary file first."""
+    page image) to a temporary file first. With `streaming`, answers are passed on as they
+    arrive (`proxy_buffering off`), as an SSE proxy must: by default nginx holds them."""
     servers = "".join(f"    server {url.removeprefix('http://')};\n" for url in upstreams)
     temp = "".join(
         f"  {kind}_temp_path {directory / kind};\n"
@@ -140,6 +146,7 @@ def nginx_config(port: int, upstreams: Sequence[str], directory: Path, as_root: 
         + f"  upstream workers {{\n{servers}    keepalive 128;\n  }}\n"
         + f"  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n"
         + "      proxy_pass http://workers;\n      proxy_http_version 1.1;\n"
+        + ("      proxy_buffering off;\n" if streaming else "")
         + '      proxy_set_header Connection "";\n    }\n  }\n}\n'
     )
 
@@ -174,13 +181,21 @@ class Run:
         }
 
 
-def summarize(runs: Iterable[Run], reference: str = REFERENCE) -> list[dict[str, Any]]:
+def summarize(
+    runs: Iterable[Run], reference: str = REFERENCE, events_per_request: int = 0
+) -> list[dict[str, Any]]:
     """Per proxy, in order of first appearance: the median of its runs for each figure, and
-    requests/s and requests per CPU-second against `reference`'s medians (None without it)."""
+    requests/s and requests per CPU-second against `reference`'s medians (None without it).
+    With `events_per_request` (streamed answers of that many token events), also the CPU per
+    token event."""
     grouped: dict[str, list[Run]] = {}
     for run in runs:
         grouped.setdefault(run.proxy, []).append(run)
     rows = [_median_row(proxy, group) for proxy, group in grouped.items()]
+    for row in rows:
+        row["cpu_us_per_event"] = (
+            row["cpu_us_per_request"] / events_per_request if events_per_request > 0 else None
+        )
     ref = next((row for row in rows if row["proxy"] == reference), None)
     for row in rows:
         row["requests_per_s_vs_ref"] = _ratio(row["requests_per_s"], ref, "requests_per_s")
@@ -266,16 +281,21 @@ def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
 
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
+    events = any(row.get("cpu_us_per_event") is not None for row in rows)
     lines = [
         "| proxy | requests/s | p50 ms | p99 ms | proxy cores | CPU per request | "
-        f"requests per CPU-second | req/s vs {REFERENCE} | req per CPU-s vs {REFERENCE} | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        + ("CPU per token event | " if events else "")
+        + f"requests per CPU-second | req/s vs {REFERENCE} | req per CPU-s vs {REFERENCE} | "
+        "errors |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if events else ""),
     ]
     for row in rows:
+        per_event = f"{_fmt(row.get('cpu_us_per_event'), 1, ' us')} | " if events else ""
         lines.append(
             f"| {row['proxy']} | {_fmt(row['requests_per_s'])} | {_fmt(row['p50_ms'], 2)} | "
             f"{_fmt(row['p99_ms'], 2)} | {_fmt(row['cpu_cores'], 2)} | "
-            f"{_fmt(row['cpu_us_per_request'], 0, ' us')} | {_fmt(row['requests_per_cpu_s'])} | "
+            f"{_fmt(row['cpu_us_per_request'], 0, ' us')} | {per_event}"
+            f"{_fmt(row['requests_per_cpu_s'])} | "
             f"{_fmt(row['requests_per_s_vs_ref'], 2, 'x')} | "
             f"{_fmt(row['requests_per_cpu_s_vs_ref'], 2, 'x')} | {row['errors']} |"
         )
@@ -296,17 +316,31 @@ def _image_note(settings: Mapping[str, Any]) -> str:
     return f": a {kilobytes} KB PNG page image as a base64 data URL" if kilobytes else ""
 
 
+def _answer_note(settings: Mapping[str, Any]) -> str:
+    events = settings.get("stream_events", 0)
+    if not events:
+        return "two raw-asyncio upstreams answering at once"
+    return (
+        f"two raw-asyncio upstreams streaming each answer as {events} token events (the recorded "
+        f"vLLM stream's), every open stream's next event written together every "
+        f"{settings['event_gap_ms']:g} ms, then its usage event and [DONE]"
+    )
+
+
 def markdown(document: Mapping[str, Any]) -> str:
     settings = document["settings"]
+    title = "Small non-streaming requests: what a proxy costs per request"
+    if settings.get("stream_events"):
+        title = "Streamed requests: what a proxy costs per request and per token event"
     parts = [
-        "# Small non-streaming requests: what a proxy costs per request",
+        f"# {title}",
         "",
         f"`{document['command']}` ({document['when']}, {document['machine']['cpus']} CPUs, "
         f"commit {document['git_commit']}).",
         "",
         f"wrk `-t{settings['threads']} -c{settings['connections']} -d{settings['duration_s']:g}s`"
         f" after a {settings['warmup_s']:g} s warm-up, POST {CHAT} ({settings['body_bytes']:,} "
-        f"bytes{_image_note(settings)}), two raw-asyncio upstreams answering at once; "
+        f"bytes{_image_note(settings)}), {_answer_note(settings)}; "
         f"{settings['rounds']} rounds alternating proxies, medians. CPU is the proxy's process "
         "tree (/proc) during the measured run.",
         "",

@@ -79,7 +79,11 @@ class Bench:
         self.proxies: dict[str, Proxy] = {}
 
     def start_upstreams(self) -> None:
-        for url, handle in upstream.start(self.procs, self.args.model):
+        extra = []
+        if self.args.stream_events:
+            extra = ["--events", str(self.args.stream_events)]
+            extra += ["--gap-ms", f"{self.args.event_gap_ms:g}"]
+        for url, handle in upstream.start(self.procs, self.args.model, extra=extra):
             self.upstreams.append(url)
             self.upstream_pids.append(handle.pid)
 
@@ -119,7 +123,8 @@ class Bench:
             directory = self.procs.log_dir / "nginx"
             directory.mkdir(exist_ok=True)
             config = directory / "nginx.conf"
-            config.write_text(nginx_config(port, up, directory, os.geteuid() == 0))
+            streaming = bool(self.args.stream_events)
+            config.write_text(nginx_config(port, up, directory, os.geteuid() == 0, streaming))
             return ["nginx", "-c", str(config), "-p", str(directory)], {}, "/health"
         raise ValueError(name)
 
@@ -127,7 +132,7 @@ class Bench:
         """One wrk per url, all at once; their outputs in the same order."""
         script = self.procs.log_dir / "post.lua"
         if not script.exists():
-            script.write_text(wrk_script(chat_body(self.args.model, image_kb=self.args.image_kb)))
+            script.write_text(wrk_script(request_body(self.args)))
         started = [
             subprocess.Popen(
                 [
@@ -186,6 +191,12 @@ class Bench:
         return {"proxy": name, "command": command, "top": top_frames(raw.read_text())}
 
 
+def request_body(args: argparse.Namespace) -> bytes:
+    """What every request of a run sends."""
+    events = args.stream_events
+    return chat_body(args.model, max_tokens=events or 8, image_kb=args.image_kb, stream=events > 0)
+
+
 def versions(args: argparse.Namespace) -> dict[str, str]:
     found: dict[str, str] = {}
     for package in ("mineru-gateway", "uvicorn", "uvloop", "httptools", "fastapi", "aiohttp"):
@@ -230,6 +241,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=fleet.MODEL)
     parser.add_argument(
         "--image-kb", type=int, default=0, help="send a page image of about this many KB too"
+    )
+    parser.add_argument(
+        "--stream-events",
+        type=int,
+        default=0,
+        help="stream every answer as this many token events (0: non-streaming requests)",
+    )
+    parser.add_argument(
+        "--event-gap-ms",
+        type=float,
+        default=2.0,
+        help="with --stream-events: every open stream's next event is written this often",
     )
     parser.add_argument("--profile", action="store_true", help="py-spy the gateway afterwards")
     parser.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
@@ -283,7 +306,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
         for group in groups(args, r)
         for run in bench.measure(group, r)
     ]
-    body = chat_body(args.model, image_kb=args.image_kb)
+    body = request_body(args)
     document = {
         "settings": {
             "threads": args.threads,
@@ -294,12 +317,14 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
             "model": args.model,
             "body_bytes": len(body),
             "image_kb": args.image_kb,
+            "stream_events": args.stream_events,
+            "event_gap_ms": args.event_gap_ms,
             "proxies": args.proxies,
             "candidates": args.candidates,
             "together": args.together,
         },
         "versions": versions(args),
-        "summary": summarize(runs),
+        "summary": summarize(runs, events_per_request=args.stream_events),
         "runs": [r.as_dict() for r in runs],
         "notes": notes(args),
     }

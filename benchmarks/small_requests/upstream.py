@@ -4,7 +4,12 @@ chat.completion, and `GET /health`, `/v1/models` and `/metrics` from the recorde
 so that a proxy's health checks and load scrapes pass. Keep-alive, no logging, no JSON parsing:
 whatever CPU a benchmark sees on the proxy is the proxy's own.
 
-    python -m benchmarks.small_requests.upstream --port 32001 --model tiny
+With `--events N` every chat completion is streamed instead, as vLLM streams one: a chunked SSE
+answer of N token events (the recorded vLLM stream's), then its usage event and `[DONE]`. With
+`--gap-ms G` the token events of every open stream are written together every G ms, as vLLM's
+engine emits one token for each request of its batch per step; with 0, the whole answer at once.
+
+    python -m benchmarks.small_requests.upstream --port 32001 --model tiny [--events 16 --gap-ms 2]
 """
 
 from __future__ import annotations
@@ -50,6 +55,28 @@ def answers(model: str) -> dict[tuple[bytes, bytes], bytes]:
 
 
 NOT_FOUND = response(b"404 Not Found", b"application/json", b'{"detail":"Not Found"}')
+CHAT_KEY = (b"POST", b"/v1/chat/completions")
+
+
+def chunk(data: bytes) -> bytes:
+    """`data` in HTTP/1.1 chunked framing."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def stream_parts(model: str) -> tuple[bytes, bytes, bytes]:
+    """A streamed chat answer in three parts, from the recorded vLLM stream: its head (chunked
+    SSE), one token event as a chunk, and its tail (the usage event, `[DONE]`, the last chunk)."""
+    text = (FIXTURES / "chat_stream.sse").read_bytes().replace(b'"tiny"', f'"{model}"'.encode())
+    events = [event + b"\n\n" for event in text.strip().split(b"\n\n")]
+    token = next(event for event in events if b'"content":"\\n"' in event)
+    usage, done = events[-2], events[-1]
+    if b'"usage":' not in usage or done != b"data: [DONE]\n\n":
+        raise ValueError("the recorded stream does not end with its usage event and [DONE]")
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    return head, chunk(token), chunk(usage) + chunk(done) + b"0\r\n\r\n"
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -104,20 +131,75 @@ class Upstream(HttpProtocol):
         self.write(self.table.get((method, path), NOT_FOUND))
 
 
-async def serve(port: int, model: str) -> None:
+class Streams:
+    """The open streamed answers of one upstream, all written by one timer: each `gap_s`, the
+    next token event of every stream (so what the upstream spends per event is a write)."""
+
+    def __init__(self, model: str, events: int, gap_s: float) -> None:
+        self.head, self.token, self.tail = stream_parts(model)
+        self.events = events
+        self.gap_s = gap_s
+        self.open: dict[HttpProtocol, int] = {}  # stream -> token events still to write
+        self._ticking = False
+
+    def start(self, stream: HttpProtocol) -> None:
+        if self.gap_s <= 0:
+            stream.write(self.head + self.token * self.events + self.tail)
+            return
+        stream.write(self.head)
+        self.open[stream] = self.events
+        if not self._ticking:
+            self._ticking = True
+            asyncio.get_running_loop().call_later(self.gap_s, self.tick)
+
+    def tick(self) -> None:
+        for stream, left in list(self.open.items()):
+            if stream.transport is None or left <= 1:
+                del self.open[stream]
+                stream.write(self.token + self.tail)
+            else:
+                self.open[stream] = left - 1
+                stream.write(self.token)
+        if self.open:
+            asyncio.get_running_loop().call_later(self.gap_s, self.tick)
+        else:
+            self._ticking = False
+
+
+class StreamingUpstream(Upstream):
+    """An upstream whose chat completions are streamed (`Streams`)."""
+
+    def __init__(self, table: dict[tuple[bytes, bytes], bytes], streams: Streams) -> None:
+        super().__init__(table)
+        self.streams = streams
+
+    def on_message_complete(self) -> None:
+        if (self.parser.get_method(), self.path.split(b"?", 1)[0]) == CHAT_KEY:
+            self.path = b""
+            self.streams.start(self)
+        else:
+            super().on_message_complete()
+
+
+async def serve(port: int, model: str, events: int = 0, gap_s: float = 0.0) -> None:
     table = answers(model)
-    await serve_forever(lambda: Upstream(table), port, backlog=1024)
+    if events > 0:
+        streams = Streams(model, events, gap_s)
+        await serve_forever(lambda: StreamingUpstream(table, streams), port, backlog=1024)
+    else:
+        await serve_forever(lambda: Upstream(table), port, backlog=1024)
 
 
 def start(
-    procs: Processes, model: str, count: int = 2
+    procs: Processes, model: str, count: int = 2, extra: Sequence[str] = ()
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
-    """`count` upstreams started as children of `procs`, each answering: base URLs, processes."""
+    """`count` upstreams started as children of `procs`, each answering: base URLs, processes.
+    `extra`: more arguments for each (`--events N --gap-ms G`)."""
     started = []
     for index in range(count):
         port = free_port()
         argv = [sys.executable, "-m", "benchmarks.small_requests.upstream", "--port", str(port)]
-        handle = procs.spawn(f"upstream-{index}", [*argv, "--model", model])
+        handle = procs.spawn(f"upstream-{index}", [*argv, "--model", model, *extra])
         started.append((f"http://127.0.0.1:{port}", handle))
     for url, _ in started:
         wait_http_ok(url + "/health", READY_TIMEOUT_S)
@@ -128,8 +210,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default=FIXTURE_MODEL)
+    parser.add_argument("--events", type=int, default=0, help="stream this many token events")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="between two token events")
     args = parser.parse_args(argv)
-    uvloop.run(serve(args.port, args.model))
+    uvloop.run(serve(args.port, args.model, args.events, args.gap_ms / 1000))
 
 
 if __name__ == "__main__":
