@@ -59,7 +59,7 @@ class LinkApp:
                 await asyncio.sleep(0.01)
             link.on_lost(self._on_lost)
             await link.respond(200, [], b"too late")  # to no one: nothing written, no error
-            self.sinks.append(link.sink(lambda data: None))
+            self.sinks.append(link.sink(lambda data: 0.0))
         else:
             headers = [(b"content-type", b"text/plain"), (b"x-path", scope["path"].encode())]
             await link.respond(200, headers, scope["path"].encode())
@@ -125,6 +125,48 @@ def test_a_lost_connection_is_reported_once_and_to_a_late_caller_at_once() -> No
             assert app.lost.wait(5), path
         assert app.lost_calls == 2
         wait_until(lambda: app.sinks == [None], 5, "the late request answered to no one")
+
+
+class SameAnswer:
+    """One answer to every request: through the link where there is one, else through ASGI
+    `send`, sized, as any app gives it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"text/plain"), (b"x-one", b"1")]
+        body = b"the same answer"
+        link = ClientLink.of(scope)
+        if link is not None:
+            await link.respond(201, headers, body)
+            return
+        length = (b"content-length", b"%d" % len(body))
+        await send({"type": "http.response.start", "status": 201, "headers": [*headers, length]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_an_answer_through_the_link_is_byte_for_byte_what_uvicorns_send_writes() -> None:
+    """`ClientLink.respond` writes a head as uvicorn's `send` does, in one write instead of two:
+    if an uvicorn release changes its heads, this fails rather than the two drifting apart."""
+    requests = (
+        b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+        b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    answers = []
+    for http in (GatewayHttpProtocol, "httptools"):
+        with serve(SameAnswer(), http=http, lifespan="off") as url:
+            answer = _raw(url, requests)
+        answers.append(
+            b"".join(
+                line for line in answer.splitlines(keepends=True) if not line.startswith(b"date: ")
+            )
+        )
+    through_link, through_send = answers
+    assert through_link.count(b"HTTP/1.1 201 Created\r\n") == 2
+    assert through_link.endswith(b"connection: close\r\n\r\nthe same answer")
+    assert through_link == through_send
 
 
 def test_uvicorns_own_protocol_makes_no_link() -> None:

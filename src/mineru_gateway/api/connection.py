@@ -58,8 +58,7 @@ class ClientLink:
     @property
     def done(self) -> bool:
         """The answer is complete or can no longer be given."""
-        cycle = self._cycle
-        return cycle is None or bool(cycle.response_complete or cycle.disconnected)
+        return self._cycle is None or _over(self._cycle)
 
     def detach(self) -> None:
         """Lets go of the request cycle, once its answer is over (called by the protocol).
@@ -122,21 +121,29 @@ class ClientLink:
             cycle.transport.close()
         cycle.on_response()
 
-    def sink(self, note: Callable[[bytes], None]) -> DirectSink | None:
+    def sink(self, note: Callable[[bytes], float]) -> DirectSink | None:
         """Where a stream's body may be written once its answer has started through `send`;
         None once the connection is gone."""
         return None if self._cycle is None else DirectSink(self._cycle, note)
 
 
+def _over(cycle: Any) -> bool:
+    """uvicorn's request cycle has its whole answer, or its connection is gone."""
+    return bool(cycle.response_complete or cycle.disconnected)
+
+
 class DirectSink:
     """The client's side of one streamed answer, written without ASGI messages: each body chunk
     in uvicorn's chunked framing, straight to the transport, from the worker connection's read
-    callback (`workers/http1.py`, `Answer.splice`). The answer's end still goes through `send`."""
+    callback (`workers/http1.py`, `Answer.splice`). The answer's end still goes through `send`.
 
-    __slots__ = ("_cycle", "_flow", "_note", "_transport", "used")
+    `note(data)` does the relay's bookkeeping for a chunk and returns its time (perf_counter)."""
 
-    def __init__(self, cycle: Any, note: Callable[[bytes], None]) -> None:
+    __slots__ = ("_cycle", "_flow", "_note", "_transport", "last_write", "used")
+
+    def __init__(self, cycle: Any, note: Callable[[bytes], float]) -> None:
         self.used = False  # anything written here
+        self.last_write = 0.0
         self._cycle = cycle
         self._transport: asyncio.Transport = cycle.transport
         self._flow = cycle.flow
@@ -145,18 +152,21 @@ class DirectSink:
     def ready(self) -> bool:
         """The answer has started in chunked framing and the client takes bytes now."""
         cycle = self._cycle
-        return (
-            cycle.chunked_encoding is True
-            and not cycle.response_complete
-            and not cycle.disconnected
-            and not self._flow.write_paused
-            and not self._transport.is_closing()
-        )
+        return cycle.chunked_encoding is True and not _over(cycle) and self._takes_bytes()
 
-    def write(self, data: bytes) -> None:
+    def offer(self, data: bytes) -> bool:
+        """Once per relayed event. While a splice runs, its answer has started and is not over
+        (only the relay ends it, after the splice), so only the client's side can change: gone
+        (its transport closing) or not taking bytes (writing paused)."""
+        if not self._takes_bytes():
+            return False
         self.used = True
-        self._note(data)
+        self.last_write = self._note(data)
         self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    def _takes_bytes(self) -> bool:
+        return not (self._flow.write_paused or self._transport.is_closing())
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):

@@ -114,8 +114,8 @@ class Exchange:
         self.note(data)
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
-    def note(self, data: bytes) -> None:
-        """Bookkeeping for a body chunk going out: timing, tokens, usage."""
+    def note(self, data: bytes) -> float:
+        """Bookkeeping for a body chunk going out: timing, tokens, usage; its time."""
         now = time.perf_counter()
         if self.first_chunk is None:
             self.first_chunk = now
@@ -125,6 +125,7 @@ class Exchange:
         self.tokens += data.count(TOKEN_MARKERS[self.endpoint])
         if USAGE_MARKER in data:
             self.usage = _stream_usage(data) or self.usage
+        return now
 
     def direct_sink(self) -> DirectSink | None:
         """Where the rest of a started stream may be written below ASGI (api/connection.py)."""

@@ -25,7 +25,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -56,11 +56,14 @@ ONE_WRITE = 64 * 1024  # a request body below this goes out in one write with it
 class Sink(Protocol):
     """Where a splice writes: the client's side of a streamed answer."""
 
-    def ready(self) -> bool:
-        """True when `write` may be called now (the client takes bytes without waiting)."""
+    last_write: float  # time.perf_counter() of the last write taken, 0.0 before any
 
-    def write(self, data: bytes) -> None:
-        """Sends `data` on, synchronously."""
+    def ready(self) -> bool:
+        """True when a splice may start (the answer has started and the client takes bytes)."""
+
+    def offer(self, data: bytes) -> bool:
+        """Sends `data` on, synchronously, if the client takes bytes now; False, with nothing
+        sent, if it does not (the splice then ends)."""
 
 
 class Answer:
@@ -76,7 +79,6 @@ class Answer:
         "_buffered_bytes",
         "_connection",
         "_error",
-        "_on_splice",
         "_paused",
         "_sink",
         "_splice_over",
@@ -96,8 +98,7 @@ class Answer:
         self._paused = False  # reading from the worker, held until the reader catches up
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._sink: Sink | None = None
-        self._on_splice: Callable[[], None] = _nothing
+        self._sink: Sink | None = None  # read by the connection's on_body, the hot path
         self._splice_over: asyncio.Future[None] | None = None
 
     # -- the reader's side ------------------------------------------------------------------
@@ -141,18 +142,18 @@ class Answer:
             parts.append(data)
         return b"".join(parts)
 
-    async def splice(self, sink: Sink, on_write: Callable[[], None]) -> None:
+    async def splice(self, sink: Sink) -> None:
         """Writes the body to `sink` from the connection's read callback, for as long as the
-        sink is ready and the body goes on; returns when either stops (anything not written is
-        left for `read_some`). `on_write` is called for every write."""
+        sink takes it and the body goes on; returns when either stops (anything not written is
+        left for `read_some`)."""
         if self._buffered or self.ended or self._error is not None or self._connection is None:
             return
-        self._sink, self._on_splice = sink, on_write
+        self._sink = sink
         self._splice_over = asyncio.get_running_loop().create_future()
         try:
             await self._splice_over
         finally:
-            self._sink, self._on_splice, self._splice_over = None, _nothing, None
+            self._sink, self._splice_over = None, None
 
     def close(self) -> None:
         """Drops the connection unless the answer ended (then it is in the pool already)."""
@@ -162,12 +163,9 @@ class Answer:
 
     # -- the connection's side ----------------------------------------------------------------
     def _body(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            if sink.ready():
-                sink.write(data)
-                self._on_splice()
-                return
+        """Body bytes no splice took (`_Connection.on_body` offers them first): kept for
+        `read_some`; a splice whose sink refused them ends."""
+        if self._sink is not None:
             self._end_splice()
         self._buffered.append(data)
         self._buffered_bytes += len(data)
@@ -204,10 +202,6 @@ class Answer:
         if over is not None and not over.done():
             over.set_result(None)
         self._sink = None
-
-
-def _nothing() -> None:
-    pass
 
 
 Slot = tuple[bool, str, int]  # TLS, host, port: the connections a request may reuse
@@ -309,8 +303,12 @@ class _Connection(asyncio.Protocol):
             head.set_result(answer)
 
     def on_body(self, body: bytes) -> None:
-        if self._answer is not None:
-            self._answer._body(body)
+        # Once per relayed event: a splice's sink is offered the bytes here, not in a call more.
+        answer = self._answer
+        if answer is not None:
+            sink = answer._sink
+            if sink is None or not sink.offer(body):
+                answer._body(body)
 
     def on_message_complete(self) -> None:
         answer, self._answer = self._answer, None
