@@ -9,7 +9,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
-	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-request-path \
+	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router wrk-nginx clean
 
@@ -137,6 +137,17 @@ bench-small-requests: install vllm-router wrk-nginx
 bench-page-images: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-raw \
 		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
+
+## CPU per relayed token event against vllm-router and nginx, upstreams streaming 64 events per
+## answer at vLLM's pace (every stream's next event every 2 ms): 64 streams, then 256 (saturated;
+## with `--processes 2` too). About 5 minutes. Results: benchmarks/results/streamed_events*.*
+bench-streamed-events: install vllm-router wrk-nginx
+	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx \
+		--stream-events 64 --event-gap-ms 2 --connections 64 --rounds 3 \
+		--out benchmarks/results/streamed_events.json
+	$(BIN)/python -m benchmarks.small_requests --proxies gateway,gateway-processes,vllm-router,nginx \
+		--stream-events 64 --event-gap-ms 2 --connections 256 --rounds 3 \
+		--out benchmarks/results/streamed_events_saturated.json
 
 ## The gateway's own work per small request, its app called in-process against instant upstreams:
 ## CPU and instructions per request (valgrind's callgrind: the same on every run, for comparing

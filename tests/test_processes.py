@@ -28,6 +28,7 @@ from mineru_gateway.siblings import Siblings, merge_expositions
 from mineru_gateway.testing import free_port, wait_until
 from tests.conftest import StartSim
 from tests.support.servers import serve
+from tests.support.workers import Script, scripted_worker
 
 ADMIN = "admin-secret"
 MODEL = "tiny"
@@ -337,3 +338,55 @@ def test_one_process_reads_the_workers_metrics_for_all(servers: ExitStack, tmp_p
     # Not over a client port: the readings are for the gateway's own processes.
     refused = httpx.get(first + "/v1/internal/readings")
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"
+
+
+def test_a_process_routes_around_requests_another_just_sent(
+    servers: ExitStack, tmp_path: Path
+) -> None:
+    """The processes share their in-flight counts per worker (workers/group_load.py), so a
+    request another process holds is in this one's routing before any reading shows it (load
+    reads are a minute apart here). The first process, with worker b drained in it alone, holds
+    two requests on a; the second, choosing between a and b, must send both of its to b."""
+    scripts = {name: Script(mode="hang") for name in ("a", "b")}
+    urls = {name: servers.enter_context(serve(scripted_worker(s))) for name, s in scripts.items()}
+    settings = GatewaySettings(
+        workers=list(urls.values()),
+        port=0,
+        health_interval_s=0.2,
+        load_interval_s=60,
+        admin_keys=[ADMIN],
+    )
+    first, second = (
+        servers.enter_context(serve(create_app(settings, siblings=Siblings(index, 2, tmp_path))))
+        for index in range(2)
+    )
+    wait_until(lambda: all_healthy(first) and all_healthy(second), 10, "workers healthy")
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    transport = httpx.HTTPTransport(uds=str(Siblings(0, 2, tmp_path).own_socket))
+    with httpx.Client(transport=transport, base_url="http://sibling") as sibling:  # not passed on
+        drained = sibling.post("/v1/workers/drain", json={"url": urls["b"]}, headers=admin)
+    assert drained.status_code == 200
+    timed_out: list[str] = []
+
+    def hold(gateway: str) -> None:  # the workers never answer: the client gives up after 3 s
+        body = {**BODY, "model": "echo-model"}
+        try:
+            httpx.post(gateway + CHAT, json=body, timeout=httpx.Timeout(5, read=3))
+        except httpx.ReadTimeout:
+            timed_out.append(gateway)
+
+    clients = [threading.Thread(target=hold, args=(first,)) for _ in range(2)]
+    clients += [threading.Thread(target=hold, args=(second,)) for _ in range(2)]
+    try:
+        for client in clients[:2]:
+            client.start()
+        wait_until(lambda: len(scripts["a"].seen) == 2, 5, "the first process's two on a")
+        for client in clients[2:]:
+            client.start()
+            time.sleep(0.2)  # one at a time: each sees the one before
+        wait_until(lambda: len(scripts["b"].seen) == 2, 5, "the second process's two on b")
+        assert len(scripts["a"].seen) == 2
+    finally:
+        for client in clients:
+            client.join(10)
+    assert len(timed_out) == 4

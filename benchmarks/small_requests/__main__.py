@@ -276,7 +276,15 @@ def notes(args: argparse.Namespace) -> list[str]:
         "the gateway's own client (a raw ASGI app on uvicorn; an asyncio protocol over "
         "httptools).",
         *(f"gateway@{name}: the gateway from {src}/src" for name, src in args.candidates.items()),
+        *([STREAM_NOTE] if args.stream_events else []),
     ]
+
+
+STREAM_NOTE = (
+    "Streamed answers: nginx passes them on unbuffered (`proxy_buffering off`), as an SSE proxy "
+    "must; CPU per token event is the CPU per request over the answer's token events (its usage "
+    "event and [DONE] ride along)."
+)
 
 
 def rotated(names: Sequence[str], round_: int) -> list[str]:

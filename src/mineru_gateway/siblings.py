@@ -37,7 +37,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from mineru_gateway.workers.registry import Reading
+from mineru_gateway.workers.group_load import GroupLoad
+from mineru_gateway.workers.registry import Reading, Scrape
 from mineru_gateway.workers.vllm_metrics import VllmLoad
 
 log = structlog.get_logger("mineru_gateway.siblings")
@@ -45,6 +46,8 @@ log = structlog.get_logger("mineru_gateway.siblings")
 SIBLING_SCOPE_KEY = "mineru_gateway.sibling"  # set on requests that came over a sibling socket
 SHARED_READINGS_PATH = "/v1/internal/readings"  # answered over a sibling socket only
 READER = 0  # the process that reads the workers' /metrics for all
+IN_FLIGHT_FIELD = "gateway_in_flight"  # in a shared reading: the gateway's count at the read
+GROUP_TABLE = "in-flight.table"  # every process's counts per worker (workers/group_load.py)
 # Below the siblings' servers' keep-alive (uvicorn's 5 s), so that a connection is never reused
 # just as the other side closes it.
 SIBLING_KEEPALIVE_S = 4.0
@@ -133,6 +136,10 @@ class Siblings:
     def own_socket(self) -> Path:
         return self.socket_path(self.index)
 
+    def group_load(self) -> GroupLoad:
+        """The table of every process's in-flight requests per worker (group_load.py)."""
+        return GroupLoad(self.directory / GROUP_TABLE, self.count, self.index)
+
     @property
     def others(self) -> list[int]:
         return [index for index in range(self.count) if index != self.index]
@@ -217,9 +224,16 @@ class Siblings:
 
 
 def reading_json(reading: Reading) -> dict[str, float]:
-    return {**asdict(reading.load), "at": reading.at}
+    fields = {**asdict(reading.load), "at": reading.at}
+    if isinstance(reading, Scrape):
+        fields[IN_FLIGHT_FIELD] = reading.own_in_flight
+    return fields
 
 
 def reading_from_json(fields: Mapping[str, float]) -> Reading:
-    load = VllmLoad(**{name: value for name, value in fields.items() if name != "at"})
+    """A shared reading: with the gateway's count when it was read, where the reader sent one."""
+    values = {name: value for name, value in fields.items() if name not in ("at", IN_FLIGHT_FIELD)}
+    load = VllmLoad(**values)
+    if IN_FLIGHT_FIELD in fields:
+        return Scrape(load, fields["at"], int(fields[IN_FLIGHT_FIELD]))
     return Reading(load, fields["at"])

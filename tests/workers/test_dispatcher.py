@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
-from mineru_gateway.routing import LeastInflight
+from mineru_gateway.routing import LeastInflight, WorkerView
 from mineru_gateway.workers.dispatcher import Admission, Dispatcher, Grant
+from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -206,3 +212,58 @@ async def test_queued_requests_for_a_model_no_worker_serves_any_more_get_404() -
     await settle()
     assert isinstance(waiting.exception(), ModelNotFound)
     assert dispatcher.queue.is_idle()
+
+
+class LockProbe:
+    """A routing policy that notes, at each choice, whether the processes' table is locked
+    (another open file of it cannot take the lock), then picks the least loaded."""
+
+    name = "lock_probe"
+
+    def __init__(self, table: Path) -> None:
+        self._fd = os.open(table, os.O_RDWR)
+        self.locked: list[bool] = []
+
+    def held(self) -> bool:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
+        self.locked.append(self.held())
+        return min(candidates, key=lambda view: view.in_flight)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+async def test_with_sibling_processes_every_decision_holds_the_table(tmp_path: Path) -> None:
+    """Requests ending in one engine step bring two processes their next requests at once: each
+    decision, from the views to the lease, holds the table, at once, from the queue or again."""
+    group = GroupLoad(tmp_path / "t", 2, 0)
+    probe = LockProbe(tmp_path / "t")
+    registry = WorkerRegistry(
+        ["http://w0", "http://w1"],
+        UpstreamClient(Timeouts(1, 1, 1)),
+        probe,
+        batch_limit=1,
+        group=group,
+    )
+    for worker in registry.workers:
+        worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
+    dispatcher = Dispatcher(registry, FairQueue(), RoomPolicy(headroom=0.0, min_headroom=0))
+    first = await dispatcher.acquire(ask())  # at once
+    second = await dispatcher.acquire(ask())
+    queued = asyncio.ensure_future(dispatcher.acquire(ask()))
+    await settle()
+    first.release()  # the queue is served
+    third = await asyncio.wait_for(queued, 1)
+    again = dispatcher.retry(second, ask(), exclude=[second.lease.worker.url])
+    assert probe.locked == [True] * 4
+    assert not probe.held()  # and let go after each
+    for grant in (third, again):
+        grant.release()
+    probe.close()

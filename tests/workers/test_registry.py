@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
+import orjson
 import pytest
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.routing import LoadModel, RoundRobin
+from mineru_gateway.routing import LoadModel, QueueLength, RoundRobin
+from mineru_gateway.siblings import reading_from_json, reading_json
+from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import (
     HealthPolicy,
     Reading,
@@ -177,7 +181,7 @@ async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_on
         await registry.read_all_loads()
         assert first.scrape.load.running == 8 and first.scrape.own_in_flight == 1
     assert first.itl_s == pytest.approx(0.02)  # (3.0 - 1.0) / (200 - 100)
-    assert registry.readings(max_age_s=0.3) == {"http://a:1": Reading(first.scrape.load, now - 0.2)}
+    assert registry.readings(max_age_s=0.3) == {"http://a:1": first.scrape}
     assert registry.readings(max_age_s=0.1) == {}
 
 
@@ -293,5 +297,64 @@ async def test_requests_sent_while_a_load_read_is_under_way_count_as_the_gateway
             # what routing and flow control count as others' requests on the worker: none
             assert (reported.running, reported.waiting) == (1, 0)
             assert reported.external == 0
+    finally:
+        await client.close()
+
+
+def _sharing(
+    path: Path, index: int, *urls: str, client: UpstreamClient | None = None
+) -> WorkerRegistry:
+    """One of two processes' registries, sharing their counts through the table at `path`."""
+    registry = WorkerRegistry(
+        list(urls),
+        client or UpstreamClient(Timeouts(1, 1, 1)),
+        QueueLength(),
+        HealthPolicy(interval_s=60, timeout_s=1),
+        group=GroupLoad(path, 2, index),
+    )
+    for worker in registry.workers:
+        worker.healthy = True
+    return registry
+
+
+def test_processes_sharing_a_table_route_on_each_others_requests_at_once(tmp_path: Path) -> None:
+    """`serve --processes N`: a request another process just sent is in this one's view before
+    any reading (at exactly full batches two processes otherwise sent to the same last slot)."""
+    first = _sharing(tmp_path / "t", 0, "http://a:1", "http://b:1")
+    second = _sharing(tmp_path / "t", 1, "http://a:1", "http://b:1")
+    a = first.worker("http://a:1")
+    with first.lease(a, Cost(prefill=0.5, hold=1.0)) as lease:
+        seen = {view.name: view for view in second.views()}
+        assert (seen["http://a:1"].in_flight, seen["http://a:1"].own_cost) == (1, 1.5)
+        assert second.worker("http://a:1").in_flight == 0  # its own count stays its own
+        assert all(second.choose(None).url == "http://b:1" for _ in range(20))
+        lease.prefilled()
+        assert second.views()[0].own_cost == pytest.approx(1.0)
+    assert [view.in_flight for view in second.views()] == [0, 0]
+
+
+async def test_a_reading_counts_every_process_s_requests_as_the_gateway_s(
+    scripted: tuple[Script, str], tmp_path: Path
+) -> None:
+    """A worker's figures include the sibling processes' requests: counted as someone else's,
+    they would stand twice in routing's view (in the table, and as external load)."""
+    script, url = scripted
+    script.metrics = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
+    client = UpstreamClient(Timeouts(1, 1, 1))
+    reader = _sharing(tmp_path / "t", 0, url, client=client)
+    sibling = _sharing(tmp_path / "t", 1, url)
+    await client.start()
+    try:
+        worker = reader.workers[0]
+        worker.load_path = FULL_PATH
+        with sibling.lease(sibling.workers[0], Cost(prefill=0.1, hold=1.0)):
+            await reader.read_load(worker)
+        scrape = worker.scrape
+        assert scrape is not None and scrape.own_in_flight == 1
+        reported = worker.reported(time.monotonic())
+        assert reported is not None and reported.external == 0
+        # The sibling takes the reading with the gateway's count at it (siblings.py).
+        shared = reading_from_json(orjson.loads(orjson.dumps(reading_json(scrape))))
+        assert shared == scrape
     finally:
         await client.close()

@@ -114,6 +114,9 @@ def build_context(
         # One process reads the workers for all: each read costs a worker's API server CPU
         # (0.8 ms filtered, 7-8 ms for the whole page: benchmarks/results/scrape_cost.md).
         shared_readings=siblings.readings if siblings and siblings.index != READER else None,
+        # Routing and flow control count every process's requests at once, not at the next
+        # reading (benchmarks/results/processes_full_batch.md).
+        group=siblings.group_load() if siblings is not None else None,
     )
     cost_model = CostModel(
         prefill_weight=settings.prefill_weight,

@@ -96,6 +96,12 @@ class Dispatcher:
         """A lease on a worker for this request: at once if one has room and nobody waits,
         else when the fair queue serves it. Raises Overloaded, NoHealthyWorker, ModelNotFound
         or ShuttingDown."""
+        with self.registry.deciding():
+            now = self._now_or_ticket(admission)
+        return now if isinstance(now, Grant) else await self._wait(now, admission)
+
+    def _now_or_ticket(self, admission: Admission) -> Grant | Ticket:
+        """A grant at once, or the ticket the request queues with."""
         views = self.registry.views()
         candidates = candidates_for(views, admission.model)
         if not candidates:
@@ -118,7 +124,7 @@ class Dispatcher:
             if roomy:
                 worker = self.registry.choose_among(roomy)
                 return self._grant(ticket, worker, admission, 0.0, unqueued=True)
-        return await self._wait(ticket, admission)
+        return ticket
 
     async def _wait(self, ticket: Ticket, admission: Admission) -> Grant:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
@@ -146,9 +152,10 @@ class Dispatcher:
         """Another worker for a request whose attempt failed before any byte of an answer: at
         once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
         untried worker is left."""
-        worker = self.registry.choose(admission.model, exclude=exclude)
-        grant.release()
-        return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
+        with self.registry.deciding():
+            worker = self.registry.choose(admission.model, exclude=exclude)
+            grant.release()
+            return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Grant]) -> None:
         """The waiter went away (its client disconnected): leave the queue at once, or give
@@ -173,29 +180,37 @@ class Dispatcher:
 
     def _serve(self) -> None:
         while not self.queue.is_idle():
-            views = self.registry.views()
-            if not any(view.healthy for view in views):
-                self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
-                return
-            self._fail_unservable(views)
-            roomy = self.room.roomy(views)
-            if not roomy:
-                return
-            ticket = self.queue.next(_served_by(roomy))
-            if ticket is None:
-                return
-            waiter = _waiter(ticket)
-            self._stop_timer(ticket)
-            if waiter.future.done():
-                # Its task was cancelled in this very instant (the client left) and has not run
-                # its handler yet: it must not be served.
-                self.queue.remove(ticket)
-                continue
-            self.queue.pop(ticket)
-            candidates = [view for view in roomy if view.serves(ticket.model)]
-            worker = self.registry.choose_among(candidates)
-            queued_s = self._clock() - ticket.enqueued_at
-            waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
+            with self.registry.deciding():
+                if not self._serve_one():
+                    return
+
+    def _serve_one(self) -> bool:
+        """Grants the next queued request a lease (or drops one whose client just left); False
+        when nothing more can be served now."""
+        views = self.registry.views()
+        if not any(view.healthy for view in views):
+            self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
+            return False
+        self._fail_unservable(views)
+        roomy = self.room.roomy(views)
+        if not roomy:
+            return False
+        ticket = self.queue.next(_served_by(roomy))
+        if ticket is None:
+            return False
+        waiter = _waiter(ticket)
+        self._stop_timer(ticket)
+        if waiter.future.done():
+            # Its task was cancelled in this very instant (the client left) and has not run its
+            # handler yet: it must not be served.
+            self.queue.remove(ticket)
+            return True
+        self.queue.pop(ticket)
+        candidates = [view for view in roomy if view.serves(ticket.model)]
+        worker = self.registry.choose_among(candidates)
+        queued_s = self._clock() - ticket.enqueued_at
+        waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
+        return True
 
     def _fail_unservable(self, views: list[WorkerView]) -> None:
         """Queued requests for a model no healthy worker serves any more cannot wait for room.

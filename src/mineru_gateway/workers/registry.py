@@ -49,6 +49,7 @@ from mineru_gateway.routing import (
     WorkerView,
     candidates_for,
 )
+from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad, parse_vllm_load
 
@@ -94,7 +95,8 @@ class Reading:
 
 @dataclass(frozen=True, slots=True)
 class Scrape(Reading):
-    """A reading taken into this gateway's view, with its own count at that moment."""
+    """A reading taken into this gateway's view, with its own count at that moment (all its
+    processes' where they share a `GroupLoad`)."""
 
     own_in_flight: int
 
@@ -128,7 +130,23 @@ class Worker:
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
     load_path: str = LOAD_PATH  # FULL_PATH from a failed filtered read until an outage ends
     leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
+    # With `serve --processes N`: the table of every process's counts, and this worker's column.
+    group: GroupLoad | None = field(default=None, repr=False, compare=False)
+    column: int = -1
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
+
+    def publish(self) -> None:
+        """This process's count and cost on the worker, for its sibling processes to see."""
+        if self.group is not None:
+            self.group.publish(self.column, self.in_flight, self.own_cost)
+
+    def gateway_load(self) -> tuple[int, float]:
+        """The gateway's requests on the worker and their cost: this process's, plus its
+        siblings' where it has any (group_load.py)."""
+        if self.group is None:
+            return self.in_flight, self.own_cost
+        count, cost = self.group.others(self.column)
+        return self.in_flight + count, self.own_cost + cost
 
     @property
     def routable(self) -> bool:
@@ -153,13 +171,14 @@ class Worker:
         until then "fresh" is the right answer, from then on "stale".
         """
         scrape, built, routable = self.scrape, self._view, self.routable
+        in_flight, cost = self.gateway_load()
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
             if (
                 same_models
-                and view.in_flight == self.in_flight
-                and view.own_cost == self.own_cost
+                and view.in_flight == in_flight
+                and view.own_cost == cost
                 and view.healthy == routable
                 and view.slowness == slowness
                 and view.batch_limit == batch_limit
@@ -177,9 +196,9 @@ class Worker:
         view = WorkerView(
             name=self.url,
             healthy=routable,
-            in_flight=self.in_flight,
+            in_flight=in_flight,
             models=models,
-            own_cost=self.own_cost,
+            own_cost=cost,
             reported=reported,
             slowness=slowness,
             batch_limit=batch_limit,
@@ -229,6 +248,7 @@ class Lease:
         worker.in_flight += 1
         worker.leased += 1
         worker.own_cost += cost.total
+        worker.publish()
 
     def prefilled(self) -> None:
         """The worker sent the first byte of the answer: the prompt is no longer queued work."""
@@ -236,6 +256,7 @@ class Lease:
             self.prefill_done = True
             worker = self.worker
             worker.own_cost = max(0.0, worker.own_cost - self.cost.prefill)
+            worker.publish()
 
     def release(self) -> None:
         if self.released:
@@ -245,7 +266,11 @@ class Lease:
         worker.in_flight -= 1
         held = self.cost.hold if self.prefill_done else self.cost.total
         worker.own_cost = max(0.0, worker.own_cost - held) if worker.in_flight else 0.0
+        worker.publish()
         self._on_release()
+
+
+_ALONE = contextlib.nullcontext()  # `deciding` for a gateway of one process: nothing to hold
 
 
 class WorkerRegistry:
@@ -263,13 +288,16 @@ class WorkerRegistry:
         rng: random.Random | None = None,
         shared_readings: Callable[[], Awaitable[Mapping[str, Reading]]] | None = None,
         load: LoadModel | None = None,
+        group: GroupLoad | None = None,
     ) -> None:
         """With `shared_readings`, the workers' load figures come from that (another gateway
         process's readings, siblings.py) instead of each worker's `/metrics`. `load` is the
         model routing and flow control judge the figures by (the one object given to both):
-        a worker's view is kept while its figures are as fresh as that model says."""
+        a worker's view is kept while its figures are as fresh as that model says. With
+        `group`, routing and flow control count every process's requests (group_load.py)."""
         self._stale_after_s = (load or LoadModel()).stale_after_s
-        self._workers = {url: Worker(url) for url in urls}
+        self._group = group
+        self._workers = {url: self._new_worker(url) for url in urls}
         self._shared_readings = shared_readings
         self._client = client
         self.policy = policy
@@ -298,7 +326,15 @@ class WorkerRegistry:
 
     def add(self, url: str) -> Worker:
         """Adds a worker; it takes traffic after its first good probe."""
-        return self._workers.setdefault(url, Worker(url))
+        worker = self._workers.get(url)
+        if worker is None:
+            worker = self._workers[url] = self._new_worker(url)
+        return worker
+
+    def _new_worker(self, url: str) -> Worker:
+        if self._group is None:
+            return Worker(url)
+        return Worker(url, group=self._group, column=self._group.column(url))
 
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
@@ -338,6 +374,11 @@ class WorkerRegistry:
         return True
 
     # -- routing --------------------------------------------------------------------------
+    def deciding(self) -> contextlib.AbstractContextManager[None]:
+        """To be held from reading the views to taking the lease, so that with sibling
+        processes two decisions never take the same last slot (group_load.py)."""
+        return self._group.locked() if self._group is not None else _ALONE
+
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
         slowness = self._slowness()
@@ -494,6 +535,7 @@ class WorkerRegistry:
 
     async def read_load(self, worker: Worker) -> None:
         own, leased, path = worker.in_flight, worker.leased, worker.load_path
+        siblings = worker.gateway_load()[0] - own
         why = "the filtered read has no load series"
         try:
             text = await self._client.get_ok(worker.url + path, self._load_timeout)
@@ -511,6 +553,9 @@ class WorkerRegistry:
             # is full (benchmarks/results/stream_events.md). Ours that ended meanwhile stay
             # counted: that can only hide someone else's request, never make up one.
             own += worker.leased - leased
+            # The same for the sibling processes' (whose sends during the read are not known
+            # one by one): the larger of their counts before and after it.
+            own += max(siblings, worker.gateway_load()[0] - worker.in_flight)
             self._take(worker, Reading(load, time.monotonic()), own)
         elif path != FULL_PATH:
             # vLLM with several API servers (a multiprocess registry knows no names), or a
@@ -526,12 +571,13 @@ class WorkerRegistry:
         learn_batch(worker, reading.load)
         worker.scrape = Scrape(reading.load, reading.at, own)
 
-    def readings(self, max_age_s: float) -> dict[str, Reading]:
-        """The latest load figures of each worker read within `max_age_s`, for the gateway's
-        other processes (time.monotonic() is one clock for every process of a host)."""
+    def readings(self, max_age_s: float) -> dict[str, Scrape]:
+        """The latest load figures of each worker read within `max_age_s`, with the gateway's
+        count when they were read, for the gateway's other processes (time.monotonic() is one
+        clock for every process of a host)."""
         oldest = time.monotonic() - max_age_s
         return {
-            worker.url: Reading(worker.scrape.load, worker.scrape.at)
+            worker.url: worker.scrape
             for worker in self.workers
             if worker.scrape is not None and worker.scrape.at >= oldest
         }
@@ -558,7 +604,10 @@ class WorkerRegistry:
             readings = await self._shared_readings()
             for worker in self.workers:
                 if worker.healthy and (reading := readings.get(worker.url)) is not None:
-                    self._take(worker, reading, worker.in_flight)
+                    # The reader's count at its read is the whole gateway's where the processes
+                    # share their counts; else this process's own is the best there is.
+                    own = reading.own_in_flight if isinstance(reading, Scrape) else None
+                    self._take(worker, reading, worker.in_flight if own is None else own)
         else:
             await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
         self._changed()

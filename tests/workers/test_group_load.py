@@ -1,0 +1,95 @@
+"""The table of every gateway process's in-flight requests per worker (workers/group_load.py):
+each process sees the others' counts at once and not its own, columns are the same for every
+process whatever order they meet the workers in, a process that starts again holds nothing."""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from mineru_gateway.workers.group_load import GroupFull, GroupLoad
+
+URLS = ["http://a:1", "http://b:1", "http://c:1"]
+
+
+def test_each_process_sees_the_others_counts_and_not_its_own(tmp_path: Path) -> None:
+    first, second = GroupLoad(tmp_path / "t", 2, 0), GroupLoad(tmp_path / "t", 2, 1)
+    a, b = first.column(URLS[0]), second.column(URLS[1])
+    assert a != b and second.column(URLS[0]) == a and first.column(URLS[1]) == b
+    first.publish(a, 3, 2.5)
+    assert second.others(a) == (3, 2.5)
+    assert first.others(a) == (0, 0.0)  # its own are not others'
+    assert second.others(b) == (0, 0.0)
+    first.publish(a, 2, 1.5)  # a count is the process's whole count, not a change
+    second.publish(b, 1, 1.0)
+    assert (second.others(a), first.others(b)) == ((2, 1.5), (1, 1.0))
+
+
+def test_a_process_that_starts_again_holds_nothing(tmp_path: Path) -> None:
+    first, second = GroupLoad(tmp_path / "t", 2, 0), GroupLoad(tmp_path / "t", 2, 1)
+    a = first.column(URLS[0])
+    first.publish(a, 3, 2.5)
+    second.publish(a, 1, 1.0)
+    first.close()  # it died holding three requests
+    again = GroupLoad(tmp_path / "t", 2, 0)
+    assert second.others(a) == (0, 0.0)
+    assert again.others(a) == (1, 1.0)  # the other process's row is untouched
+    assert again.column(URLS[0]) == a
+
+
+def test_columns_are_claimed_once_each_until_the_table_is_full(tmp_path: Path) -> None:
+    table = GroupLoad(tmp_path / "t", 1, 0, columns=4)
+    urls = [f"http://w{n}:1" for n in range(4)]
+    columns = [table.column(url) for url in urls]
+    assert sorted(columns) == [0, 1, 2, 3]  # collisions probe on to a free column
+    assert [table.column(url) for url in reversed(urls)] == columns[::-1]
+    with pytest.raises(GroupFull):
+        table.column("http://w4:1")
+
+
+def _claim_and_publish(path: Path, urls: list[str]) -> None:
+    table = GroupLoad(path, 2, 1)
+    for count, url in enumerate(urls, start=1):
+        table.publish(table.column(url), count, count / 2)
+
+
+def test_another_process_claims_and_counts_through_the_same_file(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    mine = GroupLoad(path, 2, 0)
+    columns = {url: mine.column(url) for url in URLS[:2]}  # this one meets a and b first
+    child = multiprocessing.get_context("spawn").Process(
+        target=_claim_and_publish, args=(path, list(reversed(URLS)))
+    )
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    columns[URLS[2]] = mine.column(URLS[2])  # claimed by the child: found, not claimed again
+    assert len(set(columns.values())) == 3
+    # The child published c: 1, b: 2, a: 3 (its order), each under the column this one has.
+    assert [mine.others(columns[url]) for url in URLS] == [(3, 1.5), (2, 1.0), (1, 0.5)]
+
+
+def test_the_lock_holds_until_the_outermost_block_ends(tmp_path: Path) -> None:
+    table = GroupLoad(tmp_path / "t", 2, 0)
+    other = os.open(tmp_path / "t", os.O_RDWR)  # another open file: as another process
+
+    def held() -> bool:
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(other, fcntl.LOCK_UN)
+        return False
+
+    try:
+        with table.locked():
+            with table.locked():  # a release within a decision pumps the queue, which decides
+                assert held()
+            assert held()
+        assert not held()
+    finally:
+        os.close(other)
