@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -145,27 +146,26 @@ def test_top_frames_by_self_and_total_time() -> None:
     assert top_frames("") == {"self": [], "total": []}
 
 
-def test_markdown_has_the_table_and_the_profile() -> None:
-    runs = [make_run("gateway", 1000.0, 4.0), make_run("vllm-router", 8000.0, 8.0)]
-    document = {
-        "command": "python -m benchmarks.small_requests",
+def results(summary: list[dict[str, Any]], command: str, **settings: Any) -> dict[str, Any]:
+    """A results document as `__main__` writes it, with `settings` on top of the usual."""
+    usual = {"threads": 1, "connections": 64, "duration_s": 8.0, "warmup_s": 2.0}
+    return {
+        "command": command,
         "when": "2026-01-01T00:00:00Z",
         "machine": {"cpus": 2},
         "git_commit": "abc",
-        "settings": {
-            "threads": 1,
-            "connections": 64,
-            "duration_s": 8.0,
-            "warmup_s": 2.0,
-            "body_bytes": 120,
-            "rounds": 2,
-        },
-        "summary": summarize(runs),
+        "settings": usual | {"body_bytes": 120, "rounds": 2} | settings,
+        "summary": summary,
         "versions": {"nginx": "1.22.1"},
-        "notes": ["a note"],
-        "profile": {"command": "py-spy record", "top": {"self": [("f (a.py:1)", 0.25)]}},
     }
-    document["profile"]["top"]["total"] = [("g (b.py:2)", 0.75)]
+
+
+def test_markdown_has_the_table_and_the_profile() -> None:
+    runs = [make_run("gateway", 1000.0, 4.0), make_run("vllm-router", 8000.0, 8.0)]
+    document = results(summarize(runs), "python -m benchmarks.small_requests")
+    document["notes"] = ["a note"]
+    top = {"self": [("f (a.py:1)", 0.25)], "total": [("g (b.py:2)", 0.75)]}
+    document["profile"] = {"command": "py-spy record", "top": top}
     text = markdown(document)
     assert "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 2,000 | 0.12x | 0.25x | 0 |" in text
     assert "| 25.0% | `f (a.py:1)` |" in text and "| 75.0% | `g (b.py:2)` |" in text
@@ -276,25 +276,8 @@ def test_streamed_runs_report_the_cpu_per_token_event() -> None:
     assert gateway["cpu_us_per_event"] == pytest.approx(500 / 64)
     assert router["cpu_us_per_event"] == pytest.approx(250 / 64)
     assert summarize(runs)[0]["cpu_us_per_event"] is None
-    document = {
-        "command": "python -m benchmarks.small_requests --stream-events 64",
-        "when": "2026-01-01T00:00:00Z",
-        "machine": {"cpus": 2},
-        "git_commit": "abc",
-        "settings": {
-            "threads": 1,
-            "connections": 64,
-            "duration_s": 8.0,
-            "warmup_s": 2.0,
-            "body_bytes": 120,
-            "rounds": 2,
-            "stream_events": 64,
-            "event_gap_ms": 2.0,
-        },
-        "summary": [gateway, router],
-        "versions": {},
-    }
-    text = markdown(document)
+    command = "python -m benchmarks.small_requests --stream-events 64"
+    text = markdown(results([gateway, router], command, stream_events=64, event_gap_ms=2.0))
     assert text.startswith("# Streamed requests: what a proxy costs per request and per token")
     assert "streaming each answer as 64 token events" in text and "every 2 ms" in text
     assert "| CPU per token event |" in text
