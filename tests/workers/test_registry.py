@@ -358,3 +358,20 @@ async def test_a_reading_counts_every_process_s_requests_as_the_gateway_s(
         assert shared == scrape
     finally:
         await client.close()
+
+
+def test_a_worker_past_the_tables_columns_is_routed_on_this_process_s_count(
+    tmp_path: Path,
+) -> None:
+    """Columns are not reused (pods come back with new addresses): a worker met once the table
+    is full still serves, counted as before the table was shared."""
+    table = GroupLoad(tmp_path / "t", 2, 0, columns=1)
+    registry = WorkerRegistry(
+        ["http://a:1", "http://b:1"], UpstreamClient(Timeouts(1, 1, 1)), QueueLength(), group=table
+    )
+    shared, alone = registry.workers
+    assert (shared.group, alone.group) == (table, None)
+    GroupLoad(tmp_path / "t", 2, 1, columns=1).publish(0, 3, 3.0)  # the other process, on a
+    assert shared.gateway_load() == (3, 3.0) and alone.gateway_load() == (0, 0.0)
+    with registry.lease(alone, Cost(prefill=0.0, hold=1.0)):
+        assert alone.gateway_load() == (1, 1.0)

@@ -32,7 +32,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-COLUMNS = 1024  # workers a gateway can ever have seen; columns are not reused
+# Workers whose counts can be shared over the gateway's life: columns are not reused, and pods
+# on Kubernetes come back with new addresses (4,096 columns: 32 KB of keys, 64 KB a process).
+COLUMNS = 4096
 _PAIR = 2  # (count, cost) per process and worker
 
 

@@ -49,7 +49,7 @@ from mineru_gateway.routing import (
     WorkerView,
     candidates_for,
 )
-from mineru_gateway.workers.group_load import GroupLoad
+from mineru_gateway.workers.group_load import GroupFull, GroupLoad
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad, parse_vllm_load
 
@@ -334,7 +334,12 @@ class WorkerRegistry:
     def _new_worker(self, url: str) -> Worker:
         if self._group is None:
             return Worker(url)
-        return Worker(url, group=self._group, column=self._group.column(url))
+        try:
+            return Worker(url, group=self._group, column=self._group.column(url))
+        except GroupFull as full:
+            # Routed on this process's own count plus the readings, as before the table.
+            log.warning("worker_counts_not_shared", worker=url, reason=str(full))
+            return Worker(url)
 
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
