@@ -267,3 +267,33 @@ async def test_with_sibling_processes_every_decision_holds_the_table(tmp_path: P
     for grant in (third, again):
         grant.release()
     probe.close()
+
+
+async def test_a_waiting_queue_takes_room_a_sibling_process_left_without_an_event(
+    tmp_path: Path,
+) -> None:
+    """Room another process's request leaves shows only in the shared table: a process whose
+    requests wait looks again every SIBLING_POLL_S rather than at its own next release or
+    reading (none come here: no reads, no requests of its own)."""
+
+    def process(index: int) -> Dispatcher:
+        registry = WorkerRegistry(
+            ["http://w0"],
+            UpstreamClient(Timeouts(1, 1, 1)),
+            LeastInflight(),
+            batch_limit=1,
+            group=GroupLoad(tmp_path / "t", 2, index),
+        )
+        worker = registry.workers[0]
+        worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
+        return Dispatcher(registry, FairQueue(), RoomPolicy(headroom=0.0, min_headroom=0))
+
+    first, second = process(0), process(1)
+    held = await first.acquire(ask())
+    waiting = asyncio.ensure_future(second.acquire(ask()))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # the worker's one slot is the first process's
+    held.release()
+    granted = await asyncio.wait_for(waiting, 1)
+    assert granted.lease.worker.url == "http://w0" and granted.queued_s >= 0.1
+    granted.release()

@@ -26,6 +26,8 @@ from mineru_gateway.routing import WorkerView, candidates_for
 from mineru_gateway.values import value
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
 
+SIBLING_POLL_S = 0.02
+
 
 @value
 class Admission:
@@ -86,6 +88,7 @@ class Dispatcher:
         self._pumping = False
         self._closed: GatewayError | None = None
         self._served: frozenset[str] = frozenset()
+        self._poll: asyncio.TimerHandle | None = None  # `_look_again`'s next pump
         registry.on_change(self.pump)
 
     def now(self) -> float:
@@ -177,6 +180,18 @@ class Dispatcher:
             self._serve()
         finally:
             self._pumping = False
+        self._look_again()
+
+    def _look_again(self) -> None:
+        """With sibling processes (`serve --processes N`), room one of their requests leaves
+        shows in the shared table, not as an event here: while requests wait, pump again every
+        SIBLING_POLL_S instead of at this process's next release or reading (0.2 s)."""
+        if self._poll is None and self.registry.shares_counts and not self.queue.is_idle():
+            self._poll = asyncio.get_running_loop().call_later(SIBLING_POLL_S, self._polled)
+
+    def _polled(self) -> None:
+        self._poll = None
+        self.pump()
 
     def _serve(self) -> None:
         while not self.queue.is_idle():

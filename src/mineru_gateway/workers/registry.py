@@ -379,6 +379,11 @@ class WorkerRegistry:
         return True
 
     # -- routing --------------------------------------------------------------------------
+    @property
+    def shares_counts(self) -> bool:
+        """Sibling processes' requests count here too (group_load.py)."""
+        return self._group is not None
+
     def deciding(self) -> contextlib.AbstractContextManager[None]:
         """To be held from reading the views to taking the lease, so that with sibling
         processes two decisions never take the same last slot (group_load.py)."""
