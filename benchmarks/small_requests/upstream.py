@@ -126,9 +126,13 @@ class Upstream(HttpProtocol):
         self.path += url
 
     def on_message_complete(self) -> None:
-        method, path = self.parser.get_method(), self.path.split(b"?", 1)[0]
+        key = (self.parser.get_method(), self.path.split(b"?", 1)[0])
         self.path = b""
-        self.write(self.table.get((method, path), NOT_FOUND))
+        self.answer(key)
+
+    def answer(self, key: tuple[bytes, bytes]) -> None:
+        """Answers the request `key` (method, path) names."""
+        self.write(self.table.get(key, NOT_FOUND))
 
 
 class Streams:
@@ -173,12 +177,11 @@ class StreamingUpstream(Upstream):
         super().__init__(table)
         self.streams = streams
 
-    def on_message_complete(self) -> None:
-        if (self.parser.get_method(), self.path.split(b"?", 1)[0]) == CHAT_KEY:
-            self.path = b""
+    def answer(self, key: tuple[bytes, bytes]) -> None:
+        if key == CHAT_KEY:
             self.streams.start(self)
         else:
-            super().on_message_complete()
+            super().answer(key)
 
 
 async def serve(port: int, model: str, events: int = 0, gap_s: float = 0.0) -> None:

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from mineru_gateway.workers.group_load import GroupLoad
-from mineru_gateway.workers.registry import Reading, Scrape
+from mineru_gateway.workers.registry import Scrape
 from mineru_gateway.workers.vllm_metrics import VllmLoad
 
 log = structlog.get_logger("mineru_gateway.siblings")
@@ -211,7 +211,7 @@ class Siblings:
                 )
         return failed
 
-    async def readings(self) -> dict[str, Reading]:
+    async def readings(self) -> dict[str, Scrape]:
         """The workers' load figures the reading process took; none while it does not answer
         (restarting), so that the figures age."""
         try:
@@ -223,17 +223,11 @@ class Siblings:
         return {url: reading_from_json(fields) for url, fields in orjson.loads(body).items()}
 
 
-def reading_json(reading: Reading) -> dict[str, float]:
-    fields = {**asdict(reading.load), "at": reading.at}
-    if isinstance(reading, Scrape):
-        fields[IN_FLIGHT_FIELD] = reading.own_in_flight
-    return fields
+def reading_json(scrape: Scrape) -> dict[str, float]:
+    return {**asdict(scrape.load), "at": scrape.at, IN_FLIGHT_FIELD: scrape.own_in_flight}
 
 
-def reading_from_json(fields: Mapping[str, float]) -> Reading:
-    """A shared reading: with the gateway's count when it was read, where the reader sent one."""
+def reading_from_json(fields: Mapping[str, float]) -> Scrape:
+    """A shared reading, with the gateway's count when it was read."""
     values = {name: value for name, value in fields.items() if name not in ("at", IN_FLIGHT_FIELD)}
-    load = VllmLoad(**values)
-    if IN_FLIGHT_FIELD in fields:
-        return Scrape(load, fields["at"], int(fields[IN_FLIGHT_FIELD]))
-    return Reading(load, fields["at"])
+    return Scrape(VllmLoad(**values), fields["at"], int(fields[IN_FLIGHT_FIELD]))

@@ -15,7 +15,6 @@ from mineru_gateway.siblings import reading_from_json, reading_json
 from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import (
     HealthPolicy,
-    Reading,
     Scrape,
     WorkerRegistry,
     learn_batch,
@@ -155,12 +154,12 @@ async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_on
     from (pace) once each, and never a worker's /metrics read (the URLs lead nowhere)."""
     now = time.monotonic()
     feeds = [
-        {"http://a:1": Reading(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4)},
-        {"http://a:1": Reading(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4)},
-        {"http://a:1": Reading(VllmLoad(1, 8, 0.6, itl_sum=3.0, itl_count=200), now - 0.2)},
+        {"http://a:1": Scrape(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4, 0)},
+        {"http://a:1": Scrape(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4, 0)},
+        {"http://a:1": Scrape(VllmLoad(1, 8, 0.6, itl_sum=3.0, itl_count=200), now - 0.2, 0)},
     ]
 
-    async def shared() -> dict[str, Reading]:
+    async def shared() -> dict[str, Scrape]:
         return feeds.pop(0)
 
     registry = WorkerRegistry(

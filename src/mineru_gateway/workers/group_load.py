@@ -57,8 +57,6 @@ class GroupLoad:
     """One process's view of the table: its own row to write, the others' to add up."""
 
     def __init__(self, path: Path, processes: int, index: int, columns: int = COLUMNS) -> None:
-        self.processes = processes
-        self.index = index
         self._columns = columns
         size = table_size(processes, columns)
         self._depth = 0  # `locked` blocks open

@@ -140,12 +140,14 @@ class Worker:
         if self.group is not None:
             self.group.publish(self.column, self.in_flight, self.own_cost)
 
+    def siblings_load(self) -> tuple[int, float]:
+        """The sibling processes' requests on the worker and their cost (group_load.py)."""
+        return (0, 0.0) if self.group is None else self.group.others(self.column)
+
     def gateway_load(self) -> tuple[int, float]:
-        """The gateway's requests on the worker and their cost: this process's, plus its
-        siblings' where it has any (group_load.py)."""
-        if self.group is None:
-            return self.in_flight, self.own_cost
-        count, cost = self.group.others(self.column)
+        """The gateway's requests on the worker and their cost: this process's and its
+        siblings'."""
+        count, cost = self.siblings_load()
         return self.in_flight + count, self.own_cost + cost
 
     @property
@@ -286,7 +288,7 @@ class WorkerRegistry:
         batch_limit: int | None = None,
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
-        shared_readings: Callable[[], Awaitable[Mapping[str, Reading]]] | None = None,
+        shared_readings: Callable[[], Awaitable[Mapping[str, Scrape]]] | None = None,
         load: LoadModel | None = None,
         group: GroupLoad | None = None,
     ) -> None:
@@ -545,7 +547,7 @@ class WorkerRegistry:
 
     async def read_load(self, worker: Worker) -> None:
         own, leased, path = worker.in_flight, worker.leased, worker.load_path
-        siblings = worker.gateway_load()[0] - own
+        siblings = worker.siblings_load()[0]
         why = "the filtered read has no load series"
         try:
             text = await self._client.get_ok(worker.url + path, self._load_timeout)
@@ -565,7 +567,7 @@ class WorkerRegistry:
             own += worker.leased - leased
             # The same for the sibling processes' (whose sends during the read are not known
             # one by one): the larger of their counts before and after it.
-            own += max(siblings, worker.gateway_load()[0] - worker.in_flight)
+            own += max(siblings, worker.siblings_load()[0])
             self._take(worker, Reading(load, time.monotonic()), own)
         elif path != FULL_PATH:
             # vLLM with several API servers (a multiprocess registry knows no names), or a
@@ -614,10 +616,13 @@ class WorkerRegistry:
             readings = await self._shared_readings()
             for worker in self.workers:
                 if worker.healthy and (reading := readings.get(worker.url)) is not None:
-                    # The reader's count at its read is the whole gateway's where the processes
-                    # share their counts; else this process's own is the best there is.
-                    own = reading.own_in_flight if isinstance(reading, Scrape) else None
-                    self._take(worker, reading, worker.in_flight if own is None else own)
+                    # The reader's count at its read is the whole gateway's where the worker's
+                    # counts are shared (a full table leaves a worker out: then this process's
+                    # own count is the best there is, as the reader's is for the reader).
+                    shared = worker.group is not None
+                    self._take(
+                        worker, reading, reading.own_in_flight if shared else worker.in_flight
+                    )
         else:
             await asyncio.gather(*(self.read_load(w) for w in self.workers if w.healthy))
         self._changed()
