@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from mineru_gateway.flow import (
     Ticket,
 )
 from mineru_gateway.routing import ReportedLoad, WorkerView
+from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants
 
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
 
@@ -118,6 +120,74 @@ def test_a_tenant_at_its_in_flight_limit_waits_while_others_go() -> None:
     queue.done(ticket(capped))  # one of capped's requests ends
     head = queue.next()
     assert head is not None and head.name == "capped"
+
+
+def sibling_queues(tmp_path: Path, count: int = 2) -> list[FairQueue]:
+    """The queues of `count` gateway processes sharing their tenants' counts."""
+    return [
+        FairQueue(
+            elsewhere=GroupTenants(
+                GroupLoad(tmp_path / "tenants", count, index, columns=64, width=TENANT_WIDTH)
+            )
+        )
+        for index in range(count)
+    ]
+
+
+def test_a_tenants_in_flight_limit_holds_across_processes(tmp_path: Path) -> None:
+    first, second = sibling_queues(tmp_path)
+    capped = TenantPolicy("capped", max_in_flight=2)
+    first.start_unqueued(capped)
+    first.push(ticket(capped))
+    head = first.next()
+    assert head is not None
+    first.pop(head)  # two in flight, both in the first process
+    second.push(ticket(capped))
+    second.push(ticket(B))
+    assert not second.may_start(capped)
+    head = second.next()
+    assert head is not None and head.name == "b"  # capped waits, b goes
+    second.pop(head)
+    assert second.next() is None
+    first.done(ticket(capped))  # one of capped's requests ends, in the other process
+    head = second.next()
+    assert head is not None and head.name == "capped"
+
+
+def test_a_tenants_queue_limits_hold_across_processes(tmp_path: Path) -> None:
+    first, second = sibling_queues(tmp_path)
+    small = TenantPolicy("small", max_queued=3, max_queued_bytes=100)
+    first.push(ticket(small, size=40))
+    first.push(ticket(small, size=40))
+    with pytest.raises(Rejected) as too_big:
+        second.push(ticket(small, size=21))
+    assert too_big.value.why == "tenant_queue_bytes_full"
+    second.push(ticket(small, size=20))
+    with pytest.raises(Rejected) as full:
+        second.push(ticket(small, size=1))
+    assert full.value.why == "tenant_queue_full"
+    assert "3 requests queued" in str(full.value)
+    first.remove(next(first.tickets()))  # room again, in the other process
+    second.push(ticket(small, size=1))
+
+
+def test_shares_count_every_process(tmp_path: Path) -> None:
+    """Equal tags go to the tenant with less in flight in the whole gateway, and `share` is what
+    queue heads of different processes are ranked by."""
+    first, second = sibling_queues(tmp_path)
+    for _ in range(3):
+        first.start_unqueued(A)  # a's requests went to workers from the other process
+    second.push(ticket(A))
+    second.push(ticket(B))
+    assert (second.share(A), second.share(B)) == (3.0, 0.0)
+    assert second.share(TenantPolicy("a", weight=2.0)) == 1.5
+    head = second.next()
+    assert head is not None and head.name == "b"
+    alone = FairQueue()
+    alone.push(ticket(A))
+    alone.push(ticket(B))
+    head = alone.next()
+    assert head is not None and head.name == "a"  # first come, with nothing in flight
 
 
 def test_a_tenant_limit_rejects_its_own_requests_only() -> None:

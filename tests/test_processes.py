@@ -220,6 +220,10 @@ def test_a_change_a_sibling_refuses_is_reported(sibling_pair: list[str], tmp_pat
     assert "1 of the gateway's other 1 processes" in drained.json()["error"]["message"]
 
 
+def ready(url: str) -> bool:
+    return httpx.get(url + "/ready").status_code == 200
+
+
 def all_healthy(url: str) -> bool:
     workers = httpx.get(url + "/v1/workers").json()["workers"]
     return bool(workers) and all(worker["state"] == "healthy" for worker in workers)
@@ -390,3 +394,58 @@ def test_a_process_routes_around_requests_another_just_sent(
         for client in clients:
             client.join(10)
     assert len(timed_out) == 4
+
+
+def test_a_tenants_in_flight_limit_holds_across_processes(
+    servers: ExitStack, tmp_path: Path
+) -> None:
+    """A tenant's limits count every process's requests (workers/group_load.py, GroupTenants):
+    with `max_in_flight` 1 and one request held through the first process, the tenant's request
+    to the second waits in its queue (then 429 at the queue's time limit) and never reaches the
+    worker; another tenant's goes straight on."""
+    script = Script(mode="hang")
+    worker = servers.enter_context(serve(scripted_worker(script)))
+    settings = GatewaySettings(
+        workers=[worker],
+        port=0,
+        health_interval_s=0.2,
+        api_keys="capped,other",
+        tenant_max_in_flight=1,
+        max_queue_wait_s=1.0,
+    )
+    first, second = (
+        servers.enter_context(serve(create_app(settings, siblings=Siblings(index, 2, tmp_path))))
+        for index in range(2)
+    )
+    wait_until(lambda: ready(first) and ready(second), 10, "the worker healthy")
+    body = {**BODY, "model": "echo-model"}
+
+    def hold() -> None:  # the worker never answers: the client gives up after 4 s
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                first + CHAT,
+                json=body,
+                headers={"authorization": "Bearer capped"},
+                timeout=httpx.Timeout(5, read=4),
+            )
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        wait_until(lambda: len(script.seen) == 1, 5, "the first process's request on the worker")
+        refused = httpx.post(
+            second + CHAT, json=body, headers={"authorization": "Bearer capped"}, timeout=5
+        )
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == "queue_timeout"
+        assert len(script.seen) == 1
+        with pytest.raises(httpx.ReadTimeout):  # another tenant is not held back
+            httpx.post(
+                second + CHAT,
+                json=body,
+                headers={"authorization": "Bearer other"},
+                timeout=httpx.Timeout(5, read=0.5),
+            )
+        assert len(script.seen) == 2
+    finally:
+        holder.join(10)

@@ -19,6 +19,10 @@ The order, from first to last:
   backlogged tenants are served in proportion to their weights.
 - **FIFO within a tenant and band.**
 
+With several processes (`serve --processes N`) each holds a queue of its own requests; given
+`TenantsElsewhere`, a tenant's limits and its share count the whole gateway's requests, and
+`share()` ranks queue heads across the processes (workers/group_load.py, `QueueHeads`).
+
 Backpressure: the queue is bounded in requests and in bytes (page images are megabytes), per
 tenant (when configured) and in total. When the total is full, the request that goes is the newest
 of the tenant holding most of the queue for its weight (longest-queue drop): a flooding tenant
@@ -38,6 +42,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 
@@ -73,6 +78,14 @@ class RoomPolicy:
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
+
+    def free(self, roomy: Iterable[WorkerView]) -> int:
+        """Requests the workers with room can still take (each at least one)."""
+        total = 0
+        for view in roomy:
+            batch, headroom = self.limit(view)
+            total += max(1, math.ceil(batch + headroom - self.occupied(view)))
+        return total
 
 
 def _external(reported: ReportedLoad | None) -> float:
@@ -121,6 +134,16 @@ class Ticket:
         return self.tenant.name
 
 
+class TenantsElsewhere(Protocol):
+    """What the gateway's other processes hold of each tenant (workers/group_load.py)."""
+
+    def others(self, tenant: str) -> tuple[int, int, int]:
+        """The other processes' (in flight, queued, queued bytes) of the tenant."""
+
+    def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
+        """This process's counts of the tenant, now."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueLimits:
     max_queued: int = 4096
@@ -150,10 +173,6 @@ class _TenantState:
     def share(self, by_bytes: bool) -> float:
         return (self.queued_bytes if by_bytes else self.queued) / self.policy.weight
 
-    def may_start(self) -> bool:
-        limit = self.policy.max_in_flight
-        return limit is None or self.in_flight < limit
-
 
 @dataclass(slots=True)
 class _Band:
@@ -164,8 +183,13 @@ class _Band:
 class FairQueue:
     """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
 
-    def __init__(self, limits: QueueLimits | None = None) -> None:
+    def __init__(
+        self, limits: QueueLimits | None = None, elsewhere: TenantsElsewhere | None = None
+    ) -> None:
+        """`elsewhere`: the other processes' counts of each tenant, which its limits and share
+        then include. The queue's totals stay this process's: they bound its memory."""
         self.limits = limits or QueueLimits()
+        self._elsewhere = elsewhere
         self._bands: dict[int, _Band] = {}
         self._tenants: dict[str, _TenantState] = {}
         self.queued = 0
@@ -189,14 +213,18 @@ class FairQueue:
 
     def _check_tenant(self, state: _TenantState, ticket: Ticket) -> None:
         policy = state.policy
-        if policy.max_queued is not None and state.queued >= policy.max_queued:
+        if policy.max_queued is None and policy.max_queued_bytes is None:
+            return
+        _, queued, queued_bytes = self._others(policy.name)
+        queued += state.queued
+        if policy.max_queued is not None and queued >= policy.max_queued:
             raise Rejected(
                 "tenant_queue_full",
-                f"tenant {policy.name!r} already has {state.queued} requests queued "
+                f"tenant {policy.name!r} already has {queued} requests queued "
                 f"(its limit is {policy.max_queued})",
             )
         limit = policy.max_queued_bytes
-        if limit is not None and state.queued_bytes + ticket.size > limit:
+        if limit is not None and queued_bytes + state.queued_bytes + ticket.size > limit:
             raise Rejected(
                 "tenant_queue_bytes_full",
                 f"tenant {policy.name!r} would hold more than {limit} bytes of queued requests",
@@ -237,9 +265,9 @@ class FairQueue:
         for its weight (a tenant whose requests went straight to workers has used its turn)."""
         for name, tickets in band.queues.items():
             state = self._tenants[name]
-            if state.may_start():
+            if self._may_start(state.policy, state.in_flight):
                 tag = max(band.clock, state.finish.get(priority, 0.0))
-                yield tag, state.in_flight / state.policy.weight, tickets[0]
+                yield tag, self._share(state.policy, state.in_flight), tickets[0]
 
     def pop(self, ticket: Ticket) -> None:
         """Takes `ticket` (the head of its tenant's queue, as `next` returned it) out for
@@ -251,12 +279,14 @@ class FairQueue:
         band.clock = start
         self._unlink(ticket)
         state.in_flight += 1
+        self._publish(state)
 
     def done(self, ticket: Ticket) -> None:
         """A dispatched ticket's request has ended: its tenant may start another."""
         state = self._tenants.get(ticket.name)
         if state is not None:
             state.in_flight = max(0, state.in_flight - 1)
+            self._publish(state)
             self._forget_if_idle(state)
 
     def remove(self, ticket: Ticket) -> None:
@@ -296,6 +326,24 @@ class FairQueue:
         state.queued_bytes += sign * ticket.size
         self.queued += sign
         self.queued_bytes += sign * ticket.size
+        self._publish(state)
+
+    def _publish(self, state: _TenantState) -> None:
+        if self._elsewhere is not None:
+            self._elsewhere.publish(
+                state.policy.name, state.in_flight, state.queued, state.queued_bytes
+            )
+
+    def _others(self, tenant: str) -> tuple[int, int, int]:
+        return (0, 0, 0) if self._elsewhere is None else self._elsewhere.others(tenant)
+
+    def _may_start(self, policy: TenantPolicy, in_flight: int) -> bool:
+        limit = policy.max_in_flight
+        return limit is None or in_flight + self._others(policy.name)[0] < limit
+
+    def _share(self, policy: TenantPolicy, in_flight: int) -> float:
+        """The tenant's requests in flight (every process's) for its weight."""
+        return (in_flight + self._others(policy.name)[0]) / policy.weight
 
     def _forget_if_idle(self, state: _TenantState) -> None:
         """Bounded memory: an idle tenant with no fair-share position left is dropped."""
@@ -308,12 +356,18 @@ class FairQueue:
         return state.in_flight if state else 0
 
     def may_start(self, tenant: TenantPolicy) -> bool:
-        state = self._tenants.get(tenant.name)
-        return state is None or state.may_start()
+        return self._may_start(tenant, self.in_flight(tenant.name))
+
+    def share(self, tenant: TenantPolicy) -> float:
+        """The tenant's requests in flight, in every process, for its weight: how queue heads
+        of different processes are ranked within a band (the smaller goes first)."""
+        return self._share(tenant, self.in_flight(tenant.name))
 
     def start_unqueued(self, tenant: TenantPolicy) -> None:
         """Counts a request dispatched at once, without queueing, against its tenant."""
-        self._tenant(tenant).in_flight += 1
+        state = self._tenant(tenant)
+        state.in_flight += 1
+        self._publish(state)
 
     def tickets(self) -> Iterator[Ticket]:
         for band in self._bands.values():

@@ -37,7 +37,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from mineru_gateway.workers.group_load import GroupLoad
+from mineru_gateway.workers.group_load import (
+    TENANT_WIDTH,
+    GroupLoad,
+    GroupTenants,
+    QueueHeads,
+)
 from mineru_gateway.workers.registry import Scrape
 from mineru_gateway.workers.vllm_metrics import VllmLoad
 
@@ -48,6 +53,8 @@ SHARED_READINGS_PATH = "/v1/internal/readings"  # answered over a sibling socket
 READER = 0  # the process that reads the workers' /metrics for all
 IN_FLIGHT_FIELD = "gateway_in_flight"  # in a shared reading: the gateway's count at the read
 GROUP_TABLE = "in-flight.table"  # every process's counts per worker (workers/group_load.py)
+TENANT_TABLE = "tenants.table"  # every process's counts per tenant
+QUEUE_HEADS = "queue-heads.table"  # every process's most urgent waiting request
 # Below the siblings' servers' keep-alive (uvicorn's 5 s), so that a connection is never reused
 # just as the other side closes it.
 SIBLING_KEEPALIVE_S = 4.0
@@ -139,6 +146,15 @@ class Siblings:
     def group_load(self) -> GroupLoad:
         """The table of every process's in-flight requests per worker (group_load.py)."""
         return GroupLoad(self.directory / GROUP_TABLE, self.count, self.index)
+
+    def group_tenants(self) -> GroupTenants:
+        """Every process's counts per tenant, for the tenants' limits and shares."""
+        table = GroupLoad(self.directory / TENANT_TABLE, self.count, self.index, width=TENANT_WIDTH)
+        return GroupTenants(table)
+
+    def queue_heads(self) -> QueueHeads:
+        """Every process's most urgent waiting request, for the others to give way to."""
+        return QueueHeads(self.directory / QUEUE_HEADS, self.count, self.index)
 
     @property
     def others(self) -> list[int]:

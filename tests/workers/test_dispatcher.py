@@ -15,8 +15,8 @@ from mineru_gateway.cost import Cost
 from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import LeastInflight, WorkerView
-from mineru_gateway.workers.dispatcher import Admission, Dispatcher, Grant
-from mineru_gateway.workers.group_load import GroupLoad
+from mineru_gateway.workers.dispatcher import HEAD_FRESH_S, Admission, Dispatcher, Grant
+from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants, QueueHeads
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -297,3 +297,109 @@ async def test_a_waiting_queue_takes_room_a_sibling_process_left_without_an_even
     granted = await asyncio.wait_for(waiting, 1)
     assert granted.lease.worker.url == "http://w0" and granted.queued_s >= 0.1
     granted.release()
+
+
+def sibling(tmp_path: Path, index: int, *, batch: int, count: int = 2) -> Dispatcher:
+    """Process `index` of `count` gateway processes over one worker, sharing what
+    `serve --processes N` shares: the workers' and tenants' counts and the queue heads."""
+    registry = WorkerRegistry(
+        ["http://w0"],
+        UpstreamClient(Timeouts(1, 1, 1)),
+        LeastInflight(),
+        batch_limit=batch,
+        group=GroupLoad(tmp_path / "workers", count, index),
+    )
+    worker = registry.workers[0]
+    worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
+    tenants = GroupTenants(GroupLoad(tmp_path / "tenants", count, index, width=TENANT_WIDTH))
+    return Dispatcher(
+        registry,
+        FairQueue(elsewhere=tenants),
+        RoomPolicy(headroom=0.0, min_headroom=0),
+        heads=QueueHeads(tmp_path / "heads", count, index),
+    )
+
+
+async def test_room_goes_to_the_most_urgent_request_of_any_process(tmp_path: Path) -> None:
+    """A's batch holds the worker through the first process and queues more there; B's request
+    waits in the second. Room that A's request leaves goes to B (a tenant with nothing in
+    flight), though the first process's own queue would have taken it at once."""
+    first, second = sibling(tmp_path, 0, batch=3), sibling(tmp_path, 1, batch=3)
+    held = [await first.acquire(ask(A)) for _ in range(3)]
+    a_waits = asyncio.ensure_future(first.acquire(ask(A)))
+    b_waits = asyncio.ensure_future(second.acquire(ask(B)))
+    await asyncio.sleep(0.05)  # both queued, heads posted
+    held.pop().release()
+    b = await asyncio.wait_for(b_waits, 1)
+    assert not a_waits.done()
+    held.pop().release()  # no head waits elsewhere now: the first process's own request goes
+    a = await asyncio.wait_for(a_waits, 1)
+    for grant in (*held, a, b):
+        grant.release()
+
+
+async def test_a_more_urgent_band_in_another_process_goes_first(tmp_path: Path) -> None:
+    first, second = sibling(tmp_path, 0, batch=1), sibling(tmp_path, 1, batch=1)
+    held = await first.acquire(ask(A))
+    background = asyncio.ensure_future(first.acquire(ask(B, priority=5)))
+    urgent = asyncio.ensure_future(second.acquire(ask(A, priority=-1)))
+    await asyncio.sleep(0.05)
+    held.release()
+    grant = await asyncio.wait_for(urgent, 1)
+    assert not background.done()
+    grant.release()
+    (await asyncio.wait_for(background, 1)).release()
+
+
+async def test_a_newcomer_does_not_take_room_a_more_urgent_request_waits_for(
+    tmp_path: Path,
+) -> None:
+    """The first process has nothing queued when room appears, but B waits in the second:
+    A's next request, arriving before the second process looks again, queues behind it."""
+    first, second = sibling(tmp_path, 0, batch=2), sibling(tmp_path, 1, batch=2)
+    held = [await first.acquire(ask(A)) for _ in range(2)]
+    b_waits = asyncio.ensure_future(second.acquire(ask(B)))
+    await asyncio.sleep(0.05)
+    held.pop().release()
+    a_next = asyncio.ensure_future(first.acquire(ask(A)))
+    await settle()
+    assert not a_next.done()
+    b = await asyncio.wait_for(b_waits, 1)
+    held.pop().release()
+    (await asyncio.wait_for(a_next, 1)).release()
+    b.release()
+
+
+async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(tmp_path: Path) -> None:
+    """A process that died (or hangs) with a request queued leaves its last head posted: after
+    HEAD_FRESH_S it is ignored and the room is used here."""
+    first = sibling(tmp_path, 0, batch=1)
+    dead = QueueHeads(tmp_path / "heads", 2, 1)
+    held = await first.acquire(ask(A))
+    waiting = asyncio.ensure_future(first.acquire(ask(A)))
+    await settle()
+    dead.post(first.now(), -10, 0.0, None)  # and never again
+    held.release()
+    grant = await asyncio.wait_for(waiting, 1)
+    assert grant.queued_s >= HEAD_FRESH_S
+    grant.release()
+
+
+async def test_more_room_than_urgent_heads_is_used_at_once(tmp_path: Path) -> None:
+    """One request waiting elsewhere holds back one request's room, not all of it."""
+    first, second = sibling(tmp_path, 0, batch=3), sibling(tmp_path, 1, batch=3)
+    held = [await first.acquire(ask(A)) for _ in range(3)]
+    b_waits = asyncio.ensure_future(second.acquire(ask(B)))
+    a_waits = [asyncio.ensure_future(first.acquire(ask(A))) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    held.pop().release()
+    held.pop().release()  # two free: one is B's, one the first process's next request
+    await settle()
+    assert sum(task.done() for task in a_waits) == 1
+    b = await asyncio.wait_for(b_waits, 1)
+    grants = [task.result() for task in a_waits if task.done()]
+    for grant in (*held, *grants, b):
+        grant.release()
+    for task in a_waits:
+        if not task.done():
+            (await asyncio.wait_for(task, 1)).release()

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from mineru_gateway.workers.group_load import GroupFull, GroupLoad
+from mineru_gateway.workers.group_load import (
+    TENANT_WIDTH,
+    GroupFull,
+    GroupLoad,
+    GroupTenants,
+    QueueHeads,
+    model_key,
+)
 
 URLS = ["http://a:1", "http://b:1", "http://c:1"]
 
@@ -93,3 +100,35 @@ def test_the_lock_holds_until_the_outermost_block_ends(tmp_path: Path) -> None:
         assert not held()
     finally:
         os.close(other)
+
+
+def test_tenants_counts_are_shared_by_name_and_a_full_table_counts_alone(tmp_path: Path) -> None:
+    def tenants(index: int) -> GroupTenants:
+        return GroupTenants(GroupLoad(tmp_path / "t", 2, index, columns=2, width=TENANT_WIDTH))
+
+    first, second = tenants(0), tenants(1)
+    first.publish("a", 3, 2, 2048)
+    second.publish("b", 1, 0, 0)
+    assert second.others("a") == (3, 2, 2048) and first.others("b") == (1, 0, 0)
+    assert first.others("a") == (0, 0, 0)  # its own are not others'
+    first.publish("a", 0, 1, 1024)  # the whole count, not a change
+    assert second.others("a") == (0, 1, 1024)
+    first.publish("c", 5, 5, 5)  # both columns are taken: c is counted where it is
+    assert second.others("c") == (0, 0, 0)
+
+
+def test_queue_heads_rank_by_band_then_share_and_go_stale(tmp_path: Path) -> None:
+    heads = [QueueHeads(tmp_path / "h", 3, index) for index in range(3)]
+    heads[1].post(10.0, 0, 0.5, "m")
+    heads[2].post(10.0, -1, 9.0, None)
+    key = model_key("m")
+    assert 0 < key < 2**52 and model_key(None) == 0.0
+    assert heads[0].ahead(0, 1.0, since=9.0) == [key, 0.0]  # a smaller share; a lower band
+    assert heads[0].ahead(0, 0.5, since=9.0) == [0.0]  # equal: neither gives way
+    assert heads[0].ahead(-1, 0.0, since=9.0) == []
+    assert heads[1].ahead(0, 0.5, since=9.0) == [0.0]  # its own head is not another's
+    assert heads[0].ahead(0, 1.0, since=10.5) == []  # posted before `since`: stale
+    heads[2].clear()
+    assert heads[0].ahead(5, 1.0, since=0.0) == [key]
+    heads[1].close()
+    assert QueueHeads(tmp_path / "h", 3, 1).ahead(5, 1.0, since=0.0) == []  # restarted: none

@@ -137,7 +137,7 @@ def build_context(
         client=client,
         registry=registry,
         rolling=rolling,
-        dispatcher=build_dispatcher(settings, registry, load_model),
+        dispatcher=build_dispatcher(settings, registry, load_model, siblings),
         tenants=TenantDirectory(settings),
         cost_model=cost_model,
         metrics=metrics,
@@ -165,21 +165,28 @@ def request_limits(settings: GatewaySettings) -> RequestLimits:
 
 
 def build_dispatcher(
-    settings: GatewaySettings, registry: WorkerRegistry, load_model: LoadModel
+    settings: GatewaySettings,
+    registry: WorkerRegistry,
+    load_model: LoadModel,
+    siblings: Siblings | None = None,
 ) -> Dispatcher:
+    """With sibling processes, tenants' limits and shares count every process's requests,
+    and room goes to the most urgent request waiting in any of them (group_load.py)."""
     queue = FairQueue(
         QueueLimits(
             max_queued=settings.max_queued,
             max_queued_bytes=settings.max_queued_bytes,
             max_wait_s=settings.max_queue_wait_s,
-        )
+        ),
+        elsewhere=siblings.group_tenants() if siblings is not None else None,
     )
     room = RoomPolicy(
         headroom=settings.batch_headroom,
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
-    return Dispatcher(registry, queue, room, enabled=settings.flow_control)
+    heads = siblings.queue_heads() if siblings is not None else None
+    return Dispatcher(registry, queue, room, enabled=settings.flow_control, heads=heads)
 
 
 def close_queue_before_deadline(context: GatewayContext) -> None:

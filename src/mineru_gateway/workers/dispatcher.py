@@ -24,9 +24,13 @@ from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, Shu
 from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
 from mineru_gateway.routing import WorkerView, candidates_for
 from mineru_gateway.values import value
+from mineru_gateway.workers.group_load import QueueHeads, model_key
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
 
 SIBLING_POLL_S = 0.02
+# A sibling's posted queue head older than this is ignored (its process posts at every look,
+# every SIBLING_POLL_S while it has requests waiting): room never waits for a dead process.
+HEAD_FRESH_S = 5 * SIBLING_POLL_S
 
 
 @value
@@ -78,8 +82,12 @@ class Dispatcher:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        heads: QueueHeads | None = None,
     ) -> None:
+        """`heads`: with sibling processes, where each posts its most urgent waiting request,
+        and room goes to the most urgent request of the whole gateway (group_load.py)."""
         self.registry = registry
+        self.heads = heads
         self.queue = queue
         self.room = room
         self.enabled = enabled
@@ -124,7 +132,7 @@ class Dispatcher:
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         if self.queue.is_idle() and self.queue.may_start(admission.tenant):
             roomy = self.room.roomy(candidates)
-            if roomy:
+            if roomy and not self._gives_way(ticket, roomy):
                 worker = self.registry.choose_among(roomy)
                 return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         return ticket
@@ -168,6 +176,13 @@ class Dispatcher:
             future.result().release()
         else:
             self.queue.remove(ticket)
+            self._withdrawn()
+
+    def _withdrawn(self) -> None:
+        """A request left the queue unserved: the head posted for the siblings may be it."""
+        if self.heads is not None:
+            with self.registry.deciding():
+                self._post_head()
 
     # -- serving the queue ----------------------------------------------------------------
     def pump(self) -> None:
@@ -194,10 +209,37 @@ class Dispatcher:
         self.pump()
 
     def _serve(self) -> None:
-        while not self.queue.is_idle():
+        while True:
             with self.registry.deciding():
-                if not self._serve_one():
+                if self.queue.is_idle() or not self._serve_one():
+                    self._post_head()
                     return
+
+    def _post_head(self) -> None:
+        """With sibling processes: this process's most urgent waiting request, for them to
+        give way to (called under the table's lock)."""
+        if self.heads is None:
+            return
+        ticket = self.queue.next()
+        if ticket is None:
+            self.heads.clear()
+        else:
+            share = self.queue.share(ticket.tenant)
+            self.heads.post(self._clock(), ticket.priority, share, ticket.model)
+
+    def _gives_way(self, ticket: Ticket, roomy: list[WorkerView]) -> bool:
+        """Whether the room there is belongs to more urgent requests waiting in sibling
+        processes: a more urgent band, or a tenant with a smaller share of the gateway's
+        requests, for a model these workers serve, one request for each such head."""
+        if self.heads is None:
+            return False
+        since = self._clock() - HEAD_FRESH_S
+        ahead = self.heads.ahead(ticket.priority, self.queue.share(ticket.tenant), since)
+        if not ahead:
+            return False
+        models = {model_key(model) for view in roomy for model in view.models}
+        waiting = sum(1 for key in ahead if key == 0.0 or key in models)
+        return waiting > 0 and self.room.free(roomy) <= waiting
 
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False
@@ -211,7 +253,7 @@ class Dispatcher:
         if not roomy:
             return False
         ticket = self.queue.next(_served_by(roomy))
-        if ticket is None:
+        if ticket is None or self._gives_way(ticket, roomy):
             return False
         waiter = _waiter(ticket)
         self._stop_timer(ticket)
@@ -260,6 +302,7 @@ class Dispatcher:
 
     def _fail(self, ticket: Ticket, error: GatewayError) -> None:
         self.queue.remove(ticket)
+        self._withdrawn()
         self._stop_timer(ticket)
         waiter = _waiter(ticket)
         if not waiter.future.done():

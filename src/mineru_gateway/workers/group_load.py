@@ -27,38 +27,50 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import math
 import mmap
 import os
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("mineru_gateway.group_load")
 
 # Workers whose counts can be shared over the gateway's life: columns are not reused, and pods
 # on Kubernetes come back with new addresses (4,096 columns: 32 KB of keys, 64 KB a process).
 COLUMNS = 4096
-_PAIR = 2  # (count, cost) per process and worker
+WIDTH = 2  # a worker's figures per process: (count, cost)
 
 
 class GroupFull(Exception):
     """Every column of the table is taken."""
 
 
-def table_size(processes: int, columns: int = COLUMNS) -> int:
+def table_size(processes: int, columns: int = COLUMNS, width: int = WIDTH) -> int:
     """Bytes of a table for `processes` processes: the keys, then a row per process."""
-    return 8 * columns + 8 * _PAIR * columns * processes
+    return 8 * columns + 8 * width * columns * processes
 
 
-def _key(url: str) -> int:
-    """A worker's key: 63 bits of a hash of its URL, never 0 (a free column)."""
-    digest = int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "big")
+def key_of(name: str) -> int:
+    """A column's key: 63 bits of a hash of its name (a worker's URL, a tenant's name), never 0
+    (a free column)."""
+    digest = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
     return (digest >> 1) or 1
 
 
 class GroupLoad:
-    """One process's view of the table: its own row to write, the others' to add up."""
+    """One process's view of the table: its own row to write, the others' to add up. A column
+    holds `width` figures per process (a worker's count and cost; a tenant's counts:
+    `TENANT_WIDTH`)."""
 
-    def __init__(self, path: Path, processes: int, index: int, columns: int = COLUMNS) -> None:
+    def __init__(
+        self, path: Path, processes: int, index: int, columns: int = COLUMNS, width: int = WIDTH
+    ) -> None:
         self._columns = columns
-        size = table_size(processes, columns)
+        self._width = width
+        size = table_size(processes, columns, width)
         self._depth = 0  # `locked` blocks open
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         with self.locked():
@@ -67,22 +79,21 @@ class GroupLoad:
         self._map = mmap.mmap(self._fd, size)
         self._keys = memoryview(self._map)[: 8 * columns].cast("q")
         self._values = memoryview(self._map)[8 * columns :].cast("d")
-        self._own = _PAIR * columns * index  # where this process's row starts
-        self._others = [_PAIR * columns * i for i in range(processes) if i != index]
-        self._values[self._own : self._own + _PAIR * columns] = memoryview(
-            bytes(8 * _PAIR * columns)
-        ).cast("d")
+        row = width * columns
+        self._own = row * index  # where this process's row starts
+        self._others = [row * i for i in range(processes) if i != index]
+        self._values[self._own : self._own + row] = memoryview(bytes(8 * row)).cast("d")
 
-    def column(self, url: str) -> int:
-        """The worker's column, claimed if no process has yet."""
-        key = _key(url)
+    def column(self, name: str) -> int:
+        """The column of a worker (by URL) or tenant (by name), claimed if no process has yet."""
+        key = key_of(name)
         found = self._find(key)
         if found is not None and self._keys[found] == key:
             return found
         with self.locked():
             found = self._find(key)  # another process may have claimed it meanwhile
             if found is None:
-                raise GroupFull(f"more than {self._columns} workers seen")
+                raise GroupFull(f"more than {self._columns} columns taken")
             self._keys[found] = key
             return found
 
@@ -113,7 +124,7 @@ class GroupLoad:
 
     def publish(self, column: int, count: int, cost: float) -> None:
         """This process's requests on the worker and their estimated cost, now."""
-        at = self._own + _PAIR * column
+        at = self._own + WIDTH * column
         self._values[at] = count
         self._values[at + 1] = cost
 
@@ -122,13 +133,130 @@ class GroupLoad:
         count, cost = 0.0, 0.0
         values = self._values
         for row in self._others:
-            at = row + _PAIR * column
+            at = row + WIDTH * column
             count += values[at]
             cost += values[at + 1]
         return int(count), cost
 
+    def publish_row(self, column: int, figures: tuple[float, ...]) -> None:
+        """This process's `width` figures in the column, now."""
+        at = self._own + self._width * column
+        self._values[at : at + self._width] = array("d", figures)
+
+    def others_row(self, column: int) -> list[float]:
+        """The other processes' `width` figures in the column, each summed."""
+        width, values = self._width, self._values
+        sums = [0.0] * width
+        for row in self._others:
+            at = row + width * column
+            for i in range(width):
+                sums[i] += values[at + i]
+        return sums
+
     def close(self) -> None:
         self._keys.release()
+        self._values.release()
+        self._map.close()
+        os.close(self._fd)
+
+
+# -- tenants and queue heads --------------------------------------------------------------------
+
+TENANT_WIDTH = 3  # a tenant's figures per process: (in flight, queued, queued bytes)
+
+
+class GroupTenants:
+    """Every process's counts of each tenant (`flow.TenantsElsewhere`), in a table of their own:
+    a tenant's `max_in_flight` and `max_queued` and its fair share are then the whole gateway's,
+    not each process's. Tenants are API keys and named tenants, so a bounded set; one met once
+    the table is full is counted by this process alone, with a warning."""
+
+    def __init__(self, table: GroupLoad) -> None:
+        self._table = table
+        self._columns: dict[str, int] = {}
+
+    def _column(self, tenant: str) -> int:
+        column = self._columns.get(tenant)
+        if column is None:
+            try:
+                column = self._table.column(tenant)
+            except GroupFull as full:
+                log.warning("tenant_counts_not_shared", tenant=tenant, reason=str(full))
+                column = -1
+            self._columns[tenant] = column
+        return column
+
+    def others(self, tenant: str) -> tuple[int, int, int]:
+        column = self._column(tenant)
+        if column < 0:
+            return 0, 0, 0
+        in_flight, queued, queued_bytes = self._table.others_row(column)
+        return int(in_flight), int(queued), int(queued_bytes)
+
+    def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
+        column = self._column(tenant)
+        if column >= 0:
+            self._table.publish_row(column, (in_flight, queued, queued_bytes))
+
+
+_HEAD_WIDTH = 4  # (when posted, priority, share, model key) per process
+
+
+def model_key(model: str | None) -> float:
+    """A model's key in a posted head, exact as a double (52 bits); 0 for a request that any
+    worker serves."""
+    return 0.0 if model is None else float(key_of(model) >> 11)
+
+
+class QueueHeads:
+    """Each process's most urgent queued request, posted for the others to give way to.
+
+    A process's queue orders only its own requests. With N processes a tenant's request waited
+    for room that its own process's requests left, while the others gave theirs to requests
+    that were less urgent (a lower priority band, or a tenant already holding more of the
+    batch): its wait was about N times one process's. So each process posts its head (its
+    priority band, its tenant's share of the gateway's requests for its weight, and its model),
+    and a process about to use room that only a more urgent head elsewhere should take leaves
+    it; that process's queue looks at the table every `SIBLING_POLL_S` and takes it. A head
+    older than the caller's `since` is ignored: its process has stopped posting (it died, or it
+    is stuck), and room must not wait for it. Read and written under the workers' table lock
+    (`WorkerRegistry.deciding`), so a head is never read half-written.
+    """
+
+    def __init__(self, path: Path, processes: int, index: int) -> None:
+        size = 8 * _HEAD_WIDTH * processes
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(self._fd).st_size < size:
+                os.ftruncate(self._fd, size)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._map = mmap.mmap(self._fd, size)
+        self._values = memoryview(self._map).cast("d")
+        self._own = _HEAD_WIDTH * index
+        self._others = [_HEAD_WIDTH * i for i in range(processes) if i != index]
+        self.clear()
+
+    def post(self, at: float, priority: int, share: float, model: str | None) -> None:
+        self._values[self._own : self._own + _HEAD_WIDTH] = array(
+            "d", (at, priority, share, model_key(model))
+        )
+
+    def clear(self) -> None:
+        self._values[self._own] = -math.inf  # posted never
+
+    def ahead(self, priority: int, share: float, since: float) -> list[float]:
+        """The model keys of the other processes' heads, posted at `since` or later, that go
+        before a request of `priority` whose tenant holds `share`: a more urgent band, or the
+        same band and a smaller share (ties go to neither)."""
+        values, found = self._values, []
+        for at in self._others:
+            if values[at] >= since and (values[at + 1], values[at + 2]) < (priority, share):
+                found.append(values[at + 3])
+        return found
+
+    def close(self) -> None:
         self._values.release()
         self._map.close()
         os.close(self._fd)
