@@ -449,3 +449,20 @@ def test_a_tenants_in_flight_limit_holds_across_processes(
         assert len(script.seen) == 2
     finally:
         holder.join(10)
+
+
+async def test_a_ring_reaches_the_process_and_rings_pile_up_into_one_look(tmp_path: Path) -> None:
+    looks: list[int] = []
+    first, second = (Siblings(index, 2, tmp_path).doorbell() for index in range(2))
+    second.listen(lambda: looks.append(1))
+    first.ring(0)  # nobody listens there: lost, and harmless
+    for _ in range(3):
+        first.ring(1)
+    await asyncio.sleep(0.05)
+    assert looks == [1]
+    first.ring(1)
+    await asyncio.sleep(0.05)
+    assert looks == [1, 1]
+    second.close()
+    first.ring(1)  # a process that went away
+    first.close()

@@ -6,7 +6,7 @@ import asyncio
 import fcntl
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from mineru_gateway.cost import Cost
 from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import LeastInflight, WorkerView
+from mineru_gateway.siblings import Doorbell, Siblings
 from mineru_gateway.workers.dispatcher import HEAD_FRESH_S, Admission, Dispatcher, Grant
 from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants, QueueHeads
 from mineru_gateway.workers.registry import WorkerRegistry
@@ -299,9 +300,20 @@ async def test_a_waiting_queue_takes_room_a_sibling_process_left_without_an_even
     granted.release()
 
 
-def sibling(tmp_path: Path, index: int, *, batch: int, count: int = 2) -> Dispatcher:
+@pytest.fixture
+def doorbells() -> Iterator[list[Doorbell]]:
+    rung: list[Doorbell] = []
+    yield rung
+    for doorbell in rung:
+        doorbell.close()
+
+
+def sibling(
+    tmp_path: Path, doorbells: list[Doorbell], index: int, *, batch: int, count: int = 2
+) -> Dispatcher:
     """Process `index` of `count` gateway processes over one worker, sharing what
-    `serve --processes N` shares: the workers' and tenants' counts and the queue heads."""
+    `serve --processes N` shares: the workers' and tenants' counts, the queue heads and the
+    doorbells."""
     registry = WorkerRegistry(
         ["http://w0"],
         UpstreamClient(Timeouts(1, 1, 1)),
@@ -312,19 +324,29 @@ def sibling(tmp_path: Path, index: int, *, batch: int, count: int = 2) -> Dispat
     worker = registry.workers[0]
     worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
     tenants = GroupTenants(GroupLoad(tmp_path / "tenants", count, index, width=TENANT_WIDTH))
-    return Dispatcher(
+    doorbell = Siblings(index, count, tmp_path).doorbell()
+    doorbells.append(doorbell)
+    dispatcher = Dispatcher(
         registry,
         FairQueue(elsewhere=tenants),
         RoomPolicy(headroom=0.0, min_headroom=0),
         heads=QueueHeads(tmp_path / "heads", count, index),
+        ring=doorbell.ring,
     )
+    doorbell.listen(dispatcher.pump)
+    return dispatcher
 
 
-async def test_room_goes_to_the_most_urgent_request_of_any_process(tmp_path: Path) -> None:
+async def test_room_goes_to_the_most_urgent_request_of_any_process(
+    tmp_path: Path, doorbells: list[Doorbell]
+) -> None:
     """A's batch holds the worker through the first process and queues more there; B's request
     waits in the second. Room that A's request leaves goes to B (a tenant with nothing in
     flight), though the first process's own queue would have taken it at once."""
-    first, second = sibling(tmp_path, 0, batch=3), sibling(tmp_path, 1, batch=3)
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=3),
+        sibling(tmp_path, doorbells, 1, batch=3),
+    )
     held = [await first.acquire(ask(A)) for _ in range(3)]
     a_waits = asyncio.ensure_future(first.acquire(ask(A)))
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
@@ -338,8 +360,13 @@ async def test_room_goes_to_the_most_urgent_request_of_any_process(tmp_path: Pat
         grant.release()
 
 
-async def test_a_more_urgent_band_in_another_process_goes_first(tmp_path: Path) -> None:
-    first, second = sibling(tmp_path, 0, batch=1), sibling(tmp_path, 1, batch=1)
+async def test_a_more_urgent_band_in_another_process_goes_first(
+    tmp_path: Path, doorbells: list[Doorbell]
+) -> None:
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=1),
+        sibling(tmp_path, doorbells, 1, batch=1),
+    )
     held = await first.acquire(ask(A))
     background = asyncio.ensure_future(first.acquire(ask(B, priority=5)))
     urgent = asyncio.ensure_future(second.acquire(ask(A, priority=-1)))
@@ -352,11 +379,14 @@ async def test_a_more_urgent_band_in_another_process_goes_first(tmp_path: Path) 
 
 
 async def test_a_newcomer_does_not_take_room_a_more_urgent_request_waits_for(
-    tmp_path: Path,
+    tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
     """The first process has nothing queued when room appears, but B waits in the second:
     A's next request, arriving before the second process looks again, queues behind it."""
-    first, second = sibling(tmp_path, 0, batch=2), sibling(tmp_path, 1, batch=2)
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=2),
+        sibling(tmp_path, doorbells, 1, batch=2),
+    )
     held = [await first.acquire(ask(A)) for _ in range(2)]
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
     await asyncio.sleep(0.05)
@@ -370,10 +400,12 @@ async def test_a_newcomer_does_not_take_room_a_more_urgent_request_waits_for(
     b.release()
 
 
-async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(tmp_path: Path) -> None:
+async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(
+    tmp_path: Path, doorbells: list[Doorbell]
+) -> None:
     """A process that died (or hangs) with a request queued leaves its last head posted: after
     HEAD_FRESH_S it is ignored and the room is used here."""
-    first = sibling(tmp_path, 0, batch=1)
+    first = sibling(tmp_path, doorbells, 0, batch=1)
     dead = QueueHeads(tmp_path / "heads", 2, 1)
     held = await first.acquire(ask(A))
     waiting = asyncio.ensure_future(first.acquire(ask(A)))
@@ -385,9 +417,14 @@ async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(tmp_pat
     grant.release()
 
 
-async def test_more_room_than_urgent_heads_is_used_at_once(tmp_path: Path) -> None:
+async def test_more_room_than_urgent_heads_is_used_at_once(
+    tmp_path: Path, doorbells: list[Doorbell]
+) -> None:
     """One request waiting elsewhere holds back one request's room, not all of it."""
-    first, second = sibling(tmp_path, 0, batch=3), sibling(tmp_path, 1, batch=3)
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=3),
+        sibling(tmp_path, doorbells, 1, batch=3),
+    )
     held = [await first.acquire(ask(A)) for _ in range(3)]
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
     a_waits = [asyncio.ensure_future(first.acquire(ask(A))) for _ in range(2)]

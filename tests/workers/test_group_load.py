@@ -123,12 +123,13 @@ def test_queue_heads_rank_by_band_then_share_and_go_stale(tmp_path: Path) -> Non
     heads[2].post(10.0, -1, 9.0, None)
     key = model_key("m")
     assert 0 < key < 2**52 and model_key(None) == 0.0
-    assert heads[0].ahead(0, 1.0, since=9.0) == [key, 0.0]  # a smaller share; a lower band
-    assert heads[0].ahead(0, 0.5, since=9.0) == [0.0]  # equal: neither gives way
+    # (process, model key): a smaller share in process 1; a lower band in process 2
+    assert heads[0].ahead(0, 1.0, since=9.0) == [(1, key), (2, 0.0)]
+    assert heads[0].ahead(0, 0.5, since=9.0) == [(2, 0.0)]  # equal: neither gives way
     assert heads[0].ahead(-1, 0.0, since=9.0) == []
-    assert heads[1].ahead(0, 0.5, since=9.0) == [0.0]  # its own head is not another's
+    assert heads[1].ahead(0, 0.5, since=9.0) == [(2, 0.0)]  # its own head is not another's
     assert heads[0].ahead(0, 1.0, since=10.5) == []  # posted before `since`: stale
     heads[2].clear()
-    assert heads[0].ahead(5, 1.0, since=0.0) == [key]
+    assert heads[0].ahead(5, 1.0, since=0.0) == [(1, key)]
     heads[1].close()
     assert QueueHeads(tmp_path / "h", 3, 1).ahead(5, 1.0, since=0.0) == []  # restarted: none

@@ -185,8 +185,19 @@ def build_dispatcher(
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
-    heads = siblings.queue_heads() if siblings is not None else None
-    return Dispatcher(registry, queue, room, enabled=settings.flow_control, heads=heads)
+    if siblings is None:
+        return Dispatcher(registry, queue, room, enabled=settings.flow_control)
+    doorbell = siblings.doorbell()
+    dispatcher = Dispatcher(
+        registry,
+        queue,
+        room,
+        enabled=settings.flow_control,
+        heads=siblings.queue_heads(),
+        ring=doorbell.ring,
+    )
+    doorbell.listen(dispatcher.pump)
+    return dispatcher
 
 
 def close_queue_before_deadline(context: GatewayContext) -> None:

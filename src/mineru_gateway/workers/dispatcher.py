@@ -83,11 +83,14 @@ class Dispatcher:
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
         heads: QueueHeads | None = None,
+        ring: Callable[[int], None] | None = None,
     ) -> None:
         """`heads`: with sibling processes, where each posts its most urgent waiting request,
-        and room goes to the most urgent request of the whole gateway (group_load.py)."""
+        and room goes to the most urgent request of the whole gateway (group_load.py);
+        `ring(index)` tells the sibling process `index` to look at once (siblings.py)."""
         self.registry = registry
         self.heads = heads
+        self._ring = ring
         self.queue = queue
         self.room = room
         self.enabled = enabled
@@ -238,8 +241,13 @@ class Dispatcher:
         if not ahead:
             return False
         models = {model_key(model) for view in roomy for model in view.models}
-        waiting = sum(1 for key in ahead if key == 0.0 or key in models)
-        return waiting > 0 and self.room.free(roomy) <= waiting
+        waiting = [index for index, key in ahead if key == 0.0 or key in models]
+        if not waiting or self.room.free(roomy) > len(waiting):
+            return False
+        if self._ring is not None:
+            for index in waiting:
+                self._ring(index)
+        return True
 
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False

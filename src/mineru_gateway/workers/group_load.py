@@ -217,7 +217,8 @@ class QueueHeads:
     batch): its wait was about N times one process's. So each process posts its head (its
     priority band, its tenant's share of the gateway's requests for its weight, and its model),
     and a process about to use room that only a more urgent head elsewhere should take leaves
-    it; that process's queue looks at the table every `SIBLING_POLL_S` and takes it. A head
+    it and rings that process (siblings.py, `Doorbell`), whose queue takes it; a lost ring
+    waits for that queue's next look at the table (every `SIBLING_POLL_S`). A head
     older than the caller's `since` is ignored: its process has stopped posting (it died, or it
     is stuck), and room must not wait for it. Read and written under the workers' table lock
     (`WorkerRegistry.deciding`), so a head is never read half-written.
@@ -235,7 +236,7 @@ class QueueHeads:
         self._map = mmap.mmap(self._fd, size)
         self._values = memoryview(self._map).cast("d")
         self._own = _HEAD_WIDTH * index
-        self._others = [_HEAD_WIDTH * i for i in range(processes) if i != index]
+        self._others = [(i, _HEAD_WIDTH * i) for i in range(processes) if i != index]
         self.clear()
 
     def post(self, at: float, priority: int, share: float, model: str | None) -> None:
@@ -246,14 +247,14 @@ class QueueHeads:
     def clear(self) -> None:
         self._values[self._own] = -math.inf  # posted never
 
-    def ahead(self, priority: int, share: float, since: float) -> list[float]:
-        """The model keys of the other processes' heads, posted at `since` or later, that go
-        before a request of `priority` whose tenant holds `share`: a more urgent band, or the
-        same band and a smaller share (ties go to neither)."""
+    def ahead(self, priority: int, share: float, since: float) -> list[tuple[int, float]]:
+        """The processes (index, model key of their head) whose heads, posted at `since` or
+        later, go before a request of `priority` whose tenant holds `share`: a more urgent
+        band, or the same band and a smaller share (ties go to neither)."""
         values, found = self._values, []
-        for at in self._others:
+        for index, at in self._others:
             if values[at] >= since and (values[at + 1], values[at + 2]) < (priority, share):
-                found.append(values[at + 3])
+                found.append((index, values[at + 3]))
         return found
 
     def close(self) -> None:
