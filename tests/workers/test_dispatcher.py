@@ -410,7 +410,7 @@ async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(
     held = await first.acquire(ask(A))
     waiting = asyncio.ensure_future(first.acquire(ask(A)))
     await settle()
-    dead.post(first.now(), -10, 0.0, None)  # and never again
+    dead.post(first.now(), -10, 0.0, None, queued_at=first.now())  # and never again
     held.release()
     grant = await asyncio.wait_for(waiting, 1)
     assert grant.queued_s >= HEAD_FRESH_S
@@ -440,3 +440,24 @@ async def test_more_room_than_urgent_heads_is_used_at_once(
     for task in a_waits:
         if not task.done():
             (await asyncio.wait_for(task, 1)).release()
+
+
+async def test_room_is_not_left_for_long_to_a_process_that_does_not_take_it(
+    tmp_path: Path, doorbells: list[Doorbell]
+) -> None:
+    """The processes' views of a worker can differ for a while (each probes health itself,
+    learns batch sizes from readings): a head that keeps posting but does not take the room
+    left for it is passed over after HEAD_FRESH_S. Here the second process counts a batch of
+    one, the first a batch of two."""
+    first = sibling(tmp_path, doorbells, 0, batch=2)
+    second = sibling(tmp_path, doorbells, 1, batch=1)
+    held = await first.acquire(ask(A))
+    blocked = asyncio.ensure_future(second.acquire(ask(B)))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # no room in its view: it waits, posting its head
+    grant = await asyncio.wait_for(first.acquire(ask(A)), 1)
+    assert grant.queued_s >= HEAD_FRESH_S
+    assert not blocked.done()
+    blocked.cancel()
+    for lease in (held, grant):
+        lease.release()

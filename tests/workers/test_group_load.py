@@ -119,17 +119,17 @@ def test_tenants_counts_are_shared_by_name_and_a_full_table_counts_alone(tmp_pat
 
 def test_queue_heads_rank_by_band_then_share_and_go_stale(tmp_path: Path) -> None:
     heads = [QueueHeads(tmp_path / "h", 3, index) for index in range(3)]
-    heads[1].post(10.0, 0, 0.5, "m")
-    heads[2].post(10.0, -1, 9.0, None)
+    heads[1].post(10.0, 0, 0.5, "m", queued_at=7.0)
+    heads[2].post(10.0, -1, 9.0, None, queued_at=8.0)
     key = model_key("m")
     assert 0 < key < 2**52 and model_key(None) == 0.0
-    # (process, model key): a smaller share in process 1; a lower band in process 2
-    assert heads[0].ahead(0, 1.0, since=9.0) == [(1, key), (2, 0.0)]
-    assert heads[0].ahead(0, 0.5, since=9.0) == [(2, 0.0)]  # equal: neither gives way
+    # (process, model key, when queued): a smaller share in 1; a lower band in 2
+    assert heads[0].ahead(0, 1.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]
+    assert heads[0].ahead(0, 0.5, since=9.0) == [(2, 0.0, 8.0)]  # equal: neither gives way
     assert heads[0].ahead(-1, 0.0, since=9.0) == []
-    assert heads[1].ahead(0, 0.5, since=9.0) == [(2, 0.0)]  # its own head is not another's
+    assert heads[1].ahead(0, 0.5, since=9.0) == [(2, 0.0, 8.0)]  # its own is not another's
     assert heads[0].ahead(0, 1.0, since=10.5) == []  # posted before `since`: stale
     heads[2].clear()
-    assert heads[0].ahead(5, 1.0, since=0.0) == [(1, key)]
+    assert heads[0].ahead(5, 1.0, since=0.0) == [(1, key, 7.0)]
     heads[1].close()
     assert QueueHeads(tmp_path / "h", 3, 1).ahead(5, 1.0, since=0.0) == []  # restarted: none

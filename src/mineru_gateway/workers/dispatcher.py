@@ -91,6 +91,8 @@ class Dispatcher:
         self.registry = registry
         self.heads = heads
         self._ring = ring
+        # process index -> the head given way to (when it was queued), since when, last when
+        self._given: dict[int, tuple[float, float, float]] = {}
         self.queue = queue
         self.room = room
         self.enabled = enabled
@@ -214,8 +216,9 @@ class Dispatcher:
     def _serve(self) -> None:
         while True:
             with self.registry.deciding():
-                if self.queue.is_idle() or not self._serve_one():
-                    self._post_head()
+                served = not self.queue.is_idle() and self._serve_one()
+                self._post_head()
+                if not served:
                     return
 
     def _post_head(self) -> None:
@@ -228,20 +231,36 @@ class Dispatcher:
             self.heads.clear()
         else:
             share = self.queue.share(ticket.tenant)
-            self.heads.post(self._clock(), ticket.priority, share, ticket.model)
+            self.heads.post(self._clock(), ticket.priority, share, ticket.model, ticket.enqueued_at)
 
     def _gives_way(self, ticket: Ticket, roomy: list[WorkerView]) -> bool:
         """Whether the room there is belongs to more urgent requests waiting in sibling
         processes: a more urgent band, or a tenant with a smaller share of the gateway's
-        requests, for a model these workers serve, one request for each such head."""
+        requests, for a model these workers serve, one request for each such head. A head
+        that has not taken the room left for it within HEAD_FRESH_S is passed over: its
+        process sees the workers otherwise for now (health, a later reading)."""
         if self.heads is None:
             return False
-        since = self._clock() - HEAD_FRESH_S
-        ahead = self.heads.ahead(ticket.priority, self.queue.share(ticket.tenant), since)
+        now = self._clock()
+        ahead = self.heads.ahead(
+            ticket.priority, self.queue.share(ticket.tenant), now - HEAD_FRESH_S
+        )
         if not ahead:
             return False
         models = {model_key(model) for view in roomy for model in view.models}
-        waiting = [index for index, key in ahead if key == 0.0 or key in models]
+        waiting = []
+        for index, key, queued_at in ahead:
+            if key != 0.0 and key not in models:
+                continue
+            # Since when room has been left for this head, each time within HEAD_FRESH_S of
+            # the last (while room stands empty the queue looks every SIBLING_POLL_S).
+            given = self._given.get(index)
+            if given is None or given[0] != queued_at or now - given[2] > HEAD_FRESH_S:
+                given = (queued_at, now, now)
+            elif now - given[1] > HEAD_FRESH_S:
+                continue
+            self._given[index] = (queued_at, given[1], now)
+            waiting.append(index)
         if not waiting or self.room.free(roomy) > len(waiting):
             return False
         if self._ring is not None:

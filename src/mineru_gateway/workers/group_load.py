@@ -199,7 +199,7 @@ class GroupTenants:
             self._table.publish_row(column, (in_flight, queued, queued_bytes))
 
 
-_HEAD_WIDTH = 4  # (when posted, priority, share, model key) per process
+_HEAD_WIDTH = 5  # (when posted, priority, share, model key, when queued) per process
 
 
 def model_key(model: str | None) -> float:
@@ -218,7 +218,10 @@ class QueueHeads:
     priority band, its tenant's share of the gateway's requests for its weight, and its model),
     and a process about to use room that only a more urgent head elsewhere should take leaves
     it and rings that process (siblings.py, `Doorbell`), whose queue takes it; a lost ring
-    waits for that queue's next look at the table (every `SIBLING_POLL_S`). A head
+    waits for that queue's next look at the table (every `SIBLING_POLL_S`). The processes'
+    views of a worker can differ for a while (each probes health itself; readings reach the
+    others a little later), so a head that does not take the room it is left within the same
+    time is passed over (the dispatcher's part). A head
     older than the caller's `since` is ignored: its process has stopped posting (it died, or it
     is stuck), and room must not wait for it. Read and written under the workers' table lock
     (`WorkerRegistry.deciding`), so a head is never read half-written.
@@ -239,22 +242,26 @@ class QueueHeads:
         self._others = [(i, _HEAD_WIDTH * i) for i in range(processes) if i != index]
         self.clear()
 
-    def post(self, at: float, priority: int, share: float, model: str | None) -> None:
+    def post(
+        self, at: float, priority: int, share: float, model: str | None, queued_at: float
+    ) -> None:
+        """This process's head now; `queued_at` (when it was queued) tells one head from the
+        next."""
         self._values[self._own : self._own + _HEAD_WIDTH] = array(
-            "d", (at, priority, share, model_key(model))
+            "d", (at, priority, share, model_key(model), queued_at)
         )
 
     def clear(self) -> None:
         self._values[self._own] = -math.inf  # posted never
 
-    def ahead(self, priority: int, share: float, since: float) -> list[tuple[int, float]]:
-        """The processes (index, model key of their head) whose heads, posted at `since` or
-        later, go before a request of `priority` whose tenant holds `share`: a more urgent
-        band, or the same band and a smaller share (ties go to neither)."""
+    def ahead(self, priority: int, share: float, since: float) -> list[tuple[int, float, float]]:
+        """The heads, posted at `since` or later, that go before a request of `priority` whose
+        tenant holds `share` (a more urgent band, or the same band and a smaller share; ties go
+        to neither), as (process index, model key, when queued)."""
         values, found = self._values, []
         for index, at in self._others:
             if values[at] >= since and (values[at + 1], values[at + 2]) < (priority, share):
-                found.append((index, values[at + 3]))
+                found.append((index, values[at + 3], values[at + 4]))
         return found
 
     def close(self) -> None:
