@@ -130,7 +130,7 @@ async def capacity(
 ) -> dict[str, Any]:
     """A alone through the pass-through gateway, saturating; cancelled at the window's end."""
     gateway = await stand.start_gateway(procs, workers.urls, "pass_through", extra)
-    parts = {"gateway": [gateway.pid], "workers": workers.pids()}
+    parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids()}
     try:
         async with new_session() as session:
             meter = stand.CpuMeter(parts)
@@ -169,7 +169,7 @@ async def one_mode(
     extra: list[str],
 ) -> dict[str, Any]:
     gateway = await stand.start_gateway(procs, workers.urls, mode, extra)
-    parts = {"gateway": [gateway.pid], "workers": workers.pids()}
+    parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids()}
     try:
         async with new_session() as a_session, new_session() as b_session:
             foreign_before = await stand.wait_quiet(parts, plan.quiet_wait_s)

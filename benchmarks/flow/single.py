@@ -129,7 +129,7 @@ async def saturation(
 ) -> dict[str, Any]:
     gateway = await stand.start_gateway(procs, workers.urls, mode, extra)
     try:
-        parts = {"gateway": [gateway.pid], "workers": workers.pids}
+        parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids}
         foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
         meter = stand.CpuMeter(parts)
         meter.start()
@@ -175,7 +175,7 @@ async def latency(
     arrivals = workload.arrivals(mix, plan.seed * 1000 + 7, rate, phases.total + 1)
     gateway = await stand.start_gateway(procs, workers.urls, mode, extra)
     try:
-        parts = {"gateway": [gateway.pid], "workers": workers.pids}
+        parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids}
         foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
         meter = stand.CpuMeter(parts)
         before = await stand.gateway_metrics(session, gateway.url)

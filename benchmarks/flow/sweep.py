@@ -149,7 +149,7 @@ async def one_load(
     )
     seed = plan.seed * 10_000 + round(fraction * 1000)  # the same requests for both modes
     arrivals = workload.arrivals(mix, seed, rate, phases.total + 1)
-    parts = {"gateway": [gateway.pid], "workers": workers.pids}
+    parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids}
     foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
     meter = stand.CpuMeter(parts)
     before = await stand.gateway_metrics(session, gateway.url)

@@ -16,6 +16,7 @@ from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, Sh
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import LeastInflight, WorkerView
 from mineru_gateway.siblings import Doorbell, Siblings
+from mineru_gateway.workers import dispatcher as dispatcher_module
 from mineru_gateway.workers.dispatcher import HEAD_FRESH_S, Admission, Dispatcher, Grant
 from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants, QueueHeads
 from mineru_gateway.workers.registry import WorkerRegistry
@@ -461,3 +462,22 @@ async def test_room_is_not_left_for_long_to_a_process_that_does_not_take_it(
     blocked.cancel()
     for lease in (held, grant):
         lease.release()
+
+
+async def test_room_a_process_has_no_request_for_is_rung_over_to_a_waiting_sibling(
+    tmp_path: Path, doorbells: list[Doorbell], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With its look at the table taken out (a 10 s poll), the second process's request is
+    served when the first one's request ends only because the first rings it."""
+    monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=1),
+        sibling(tmp_path, doorbells, 1, batch=1),
+    )
+    held = await first.acquire(ask(A))
+    waiting = asyncio.ensure_future(second.acquire(ask(B)))
+    await settle()
+    held.release()
+    grant = await asyncio.wait_for(waiting, 1)
+    assert grant.queued_s < 1
+    grant.release()

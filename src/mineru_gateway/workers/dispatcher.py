@@ -193,19 +193,32 @@ class Dispatcher:
     def pump(self) -> None:
         """Serves queued requests while workers have room. Re-entry is a no-op: granting a
         lease can itself report a change."""
-        if self._pumping or not self.enabled or self.queue.is_idle():
+        if self._pumping or not self.enabled:
             return
-        self._pumping = True
-        try:
-            self._serve()
-        finally:
-            self._pumping = False
-        self._look_again()
+        if not self.queue.is_idle():
+            self._pumping = True
+            try:
+                self._serve()
+            finally:
+                self._pumping = False
+            self._look_again()
+        if self.queue.is_idle():
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """With sibling processes: room may have appeared (a request of this process ended)
+        that nothing here waits for; those with requests waiting look at once rather than at
+        their next SIBLING_POLL_S."""
+        if self.heads is not None and self._ring is not None:
+            for index in self.heads.waiting(self._clock() - HEAD_FRESH_S):
+                self._ring(index)
 
     def _look_again(self) -> None:
         """With sibling processes (`serve --processes N`), room one of their requests leaves
-        shows in the shared table, not as an event here: while requests wait, pump again every
-        SIBLING_POLL_S instead of at this process's next release or reading (0.2 s)."""
+        shows in the shared table, not as an event here. The process whose request ended rings
+        those with requests waiting (`_hand_over`); in case a ring is lost, or the room shows
+        only in a reading, while requests wait pump again every SIBLING_POLL_S instead of at
+        this process's next release or reading (0.2 s)."""
         if self._poll is None and self.registry.shares_counts and not self.queue.is_idle():
             self._poll = asyncio.get_running_loop().call_later(SIBLING_POLL_S, self._polled)
 

@@ -264,6 +264,11 @@ class QueueHeads:
                 found.append((index, values[at + 3], values[at + 4]))
         return found
 
+    def waiting(self, since: float) -> list[int]:
+        """The other processes with a head posted at `since` or later."""
+        values = self._values
+        return [index for index, at in self._others if values[at] >= since]
+
     def close(self) -> None:
         self._values.release()
         self._map.close()
