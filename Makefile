@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
-	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-vllm mineru-vl-utils \
+	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
+	bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router wrk-nginx clean
 
 $(VENV)/.installed: pyproject.toml
@@ -73,6 +74,17 @@ bench-flow: install
 	$(BIN)/python -m benchmarks.flow --scenario sweep
 	$(BIN)/python -m benchmarks.flow --scenario single
 	$(BIN)/python -m benchmarks.flow --scenario report
+
+## The flood on one small worker through one gateway process and through two (`serve --processes`):
+## B's wait with A's batch queued in both processes (about 9 minutes). benchmarks/results/.
+FLOW_PROCESSES_ARGS = --scenario flood --set modes=flow_control --set workers=1 \
+	--set concurrency=200 --set alone_s=30 --set batch_s=90 --set capacity_warmup_s=10 \
+	--set capacity_window_s=20 --set b_rate=1 --gateway-arg=--batch-limit=16 --no-plots
+bench-flow-processes: install
+	$(BIN)/python -m benchmarks.flow $(FLOW_PROCESSES_ARGS) --gateway-arg=--processes \
+		--gateway-arg=1 --out benchmarks/results/flow_processes_1.json
+	$(BIN)/python -m benchmarks.flow $(FLOW_PROCESSES_ARGS) --gateway-arg=--processes \
+		--gateway-arg=2 --out benchmarks/results/flow_processes_2.json
 
 ## The flood on two real vLLM workers (CPU, small model; about 7 minutes).
 bench-flow-vllm: install small-model

@@ -196,9 +196,10 @@ class Siblings:
         table = GroupLoad(self.directory / TENANT_TABLE, self.count, self.index, width=TENANT_WIDTH)
         return GroupTenants(table)
 
-    def queue_heads(self) -> QueueHeads:
-        """Every process's most urgent waiting request, for the others to give way to."""
-        return QueueHeads(self.directory / QUEUE_HEADS, self.count, self.index)
+    def queue_heads(self, tenants: GroupTenants) -> QueueHeads:
+        """Every process's most urgent waiting request, for the others to give way to, ranked
+        by the shares in `tenants`."""
+        return QueueHeads(self.directory / QUEUE_HEADS, self.count, self.index, tenants)
 
     def doorbell(self) -> Doorbell:
         """This process's doorbell (one per process, closed with the siblings' sessions)."""

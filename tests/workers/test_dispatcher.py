@@ -331,7 +331,7 @@ def sibling(
         registry,
         FairQueue(elsewhere=tenants),
         RoomPolicy(headroom=0.0, min_headroom=0),
-        heads=QueueHeads(tmp_path / "heads", count, index),
+        heads=QueueHeads(tmp_path / "heads", count, index, tenants),
         ring=doorbell.ring,
     )
     doorbell.listen(dispatcher.pump)
@@ -411,7 +411,7 @@ async def test_room_does_not_wait_for_a_head_its_process_stopped_posting(
     held = await first.acquire(ask(A))
     waiting = asyncio.ensure_future(first.acquire(ask(A)))
     await settle()
-    dead.post(first.now(), -10, 0.0, None, queued_at=first.now())  # and never again
+    dead.post(first.now(), -10, "b", 1.0, 0.0, None, queued_at=first.now())  # and no more
     held.release()
     grant = await asyncio.wait_for(waiting, 1)
     assert grant.queued_s >= HEAD_FRESH_S
@@ -481,3 +481,27 @@ async def test_room_a_process_has_no_request_for_is_rung_over_to_a_waiting_sibli
     grant = await asyncio.wait_for(waiting, 1)
     assert grant.queued_s < 1
     grant.release()
+
+
+async def test_a_process_holding_no_room_is_not_starved_by_one_that_holds_it_all(
+    tmp_path: Path, doorbells: list[Doorbell], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same tenant queues in both processes; the first holds the worker's only slot and
+    would refill it from its own queue at every release. The request that has waited longer,
+    in the second process, goes first (before, the second process got room only when the
+    first's queue ran dry: B waited for the whole of A's batch)."""
+    monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)  # only rings wake a queue
+    first, second = (
+        sibling(tmp_path, doorbells, 0, batch=1),
+        sibling(tmp_path, doorbells, 1, batch=1),
+    )
+    held = await first.acquire(ask(A))
+    older = asyncio.ensure_future(second.acquire(ask(A)))
+    await asyncio.sleep(0.01)
+    newer = asyncio.ensure_future(first.acquire(ask(A)))
+    await settle()
+    held.release()
+    grant = await asyncio.wait_for(older, 1)
+    assert not newer.done()
+    grant.release()  # and back: the first process's request is the only one left
+    (await asyncio.wait_for(newer, 1)).release()

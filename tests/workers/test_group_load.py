@@ -117,19 +117,41 @@ def test_tenants_counts_are_shared_by_name_and_a_full_table_counts_alone(tmp_pat
     assert second.others("c") == (0, 0, 0)
 
 
-def test_queue_heads_rank_by_band_then_share_and_go_stale(tmp_path: Path) -> None:
-    heads = [QueueHeads(tmp_path / "h", 3, index) for index in range(3)]
-    heads[1].post(10.0, 0, 0.5, "m", queued_at=7.0)
-    heads[2].post(10.0, -1, 9.0, None, queued_at=8.0)
+def test_queue_heads_rank_by_band_then_live_share_then_age_and_go_stale(tmp_path: Path) -> None:
+    def tenants(index: int) -> GroupTenants:
+        return GroupTenants(GroupLoad(tmp_path / "t", 3, index, columns=8, width=TENANT_WIDTH))
+
+    counts = [tenants(index) for index in range(3)]
+    heads = [QueueHeads(tmp_path / "h", 3, index, counts[index]) for index in range(3)]
+    counts[1].publish("b", 1, 1, 10)  # b: 1 in flight (process 1), weight 2: share 0.5
+    counts[0].publish("a", 2, 0, 0)
+    heads[1].post(10.0, 0, "b", 2.0, 0.5, "m", queued_at=7.0)
+    heads[2].post(10.0, -1, "c", 1.0, 9.0, None, queued_at=8.0)
     key = model_key("m")
     assert 0 < key < 2**52 and model_key(None) == 0.0
-    # (process, model key, when queued): a smaller share in 1; a lower band in 2
-    assert heads[0].ahead(0, 1.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]
-    assert heads[0].ahead(0, 0.5, since=9.0) == [(2, 0.0, 8.0)]  # equal: neither gives way
-    assert heads[0].ahead(-1, 0.0, since=9.0) == []
-    assert heads[1].ahead(0, 0.5, since=9.0) == [(2, 0.0, 8.0)]  # its own is not another's
-    assert heads[0].ahead(0, 1.0, since=10.5) == []  # posted before `since`: stale
+    # (process, model key, when queued): b's smaller share in 1; a lower band in 2
+    assert heads[0].ahead(0, 2.0, 9.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]
+    # c's share is read from the table too (0: the 9 it posted stands only without a column)
+    assert heads[0].ahead(-1, 0.0, 9.0, since=9.0) == [(2, 0.0, 8.0)]  # equal, but older
+    assert heads[0].ahead(-1, 0.0, 7.5, since=9.0) == []
+    assert heads[1].ahead(0, 0.5, 9.0, since=9.0) == [(2, 0.0, 8.0)]  # its own is not another's
+    # Shares are read when asked: b's request ended, and b now holds nothing.
+    counts[1].publish("b", 0, 1, 10)
+    assert heads[0].ahead(0, 0.0, 9.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]  # older
+    assert heads[0].ahead(0, 0.0, 6.0, since=9.0) == [(2, 0.0, 8.0)]  # this one waited longer
+    assert heads[0].ahead(0, 1.0, 9.0, since=10.5) == []  # posted before `since`: stale
     heads[2].clear()
-    assert heads[0].ahead(5, 1.0, since=0.0) == [(1, key, 7.0)]
+    assert heads[0].ahead(5, 1.0, 9.0, since=0.0) == [(1, key, 7.0)]
     heads[1].close()
-    assert QueueHeads(tmp_path / "h", 3, 1).ahead(5, 1.0, since=0.0) == []  # restarted: none
+    restarted = QueueHeads(tmp_path / "h", 3, 1, counts[1])
+    assert heads[0].ahead(5, 1.0, 9.0, since=0.0) == []  # restarted: none
+    restarted.close()
+
+
+def test_a_head_whose_tenant_has_no_column_is_ranked_by_its_posted_share(tmp_path: Path) -> None:
+    full = GroupTenants(GroupLoad(tmp_path / "t", 2, 1, columns=1, width=TENANT_WIDTH))
+    full.publish("first", 5, 0, 0)  # takes the only column
+    heads = [QueueHeads(tmp_path / "h", 2, 0), QueueHeads(tmp_path / "h", 2, 1, full)]
+    heads[1].post(10.0, 0, "second", 1.0, 3.0, None, queued_at=1.0)
+    assert heads[0].ahead(0, 4.0, 9.0, since=9.0) == [(1, 0.0, 1.0)]
+    assert heads[0].ahead(0, 2.0, 9.0, since=9.0) == []

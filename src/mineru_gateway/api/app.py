@@ -172,20 +172,21 @@ def build_dispatcher(
 ) -> Dispatcher:
     """With sibling processes, tenants' limits and shares count every process's requests,
     and room goes to the most urgent request waiting in any of them (group_load.py)."""
+    tenants = siblings.group_tenants() if siblings is not None else None
     queue = FairQueue(
         QueueLimits(
             max_queued=settings.max_queued,
             max_queued_bytes=settings.max_queued_bytes,
             max_wait_s=settings.max_queue_wait_s,
         ),
-        elsewhere=siblings.group_tenants() if siblings is not None else None,
+        elsewhere=tenants,
     )
     room = RoomPolicy(
         headroom=settings.batch_headroom,
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
-    if siblings is None:
+    if siblings is None or tenants is None:
         return Dispatcher(registry, queue, room, enabled=settings.flow_control)
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
@@ -193,7 +194,7 @@ def build_dispatcher(
         queue,
         room,
         enabled=settings.flow_control,
-        heads=siblings.queue_heads(),
+        heads=siblings.queue_heads(tenants),
         ring=doorbell.ring,
     )
     doorbell.listen(dispatcher.pump)

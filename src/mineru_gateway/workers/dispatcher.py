@@ -243,21 +243,28 @@ class Dispatcher:
         if ticket is None:
             self.heads.clear()
         else:
-            share = self.queue.share(ticket.tenant)
-            self.heads.post(self._clock(), ticket.priority, share, ticket.model, ticket.enqueued_at)
+            tenant = ticket.tenant
+            self.heads.post(
+                self._clock(),
+                ticket.priority,
+                tenant.name,
+                tenant.weight,
+                self.queue.share(tenant),
+                ticket.model,
+                ticket.enqueued_at,
+            )
 
     def _gives_way(self, ticket: Ticket, roomy: list[WorkerView]) -> bool:
         """Whether the room there is belongs to more urgent requests waiting in sibling
-        processes: a more urgent band, or a tenant with a smaller share of the gateway's
-        requests, for a model these workers serve, one request for each such head. A head
-        that has not taken the room left for it within HEAD_FRESH_S is passed over: its
-        process sees the workers otherwise for now (health, a later reading)."""
+        processes: a more urgent band, a tenant with a smaller share of the gateway's requests,
+        or the same and waiting longer, for a model these workers serve, one request for each
+        such head. A head that has not taken the room left for it within HEAD_FRESH_S is
+        passed over: its process sees the workers otherwise for now (health, a reading)."""
         if self.heads is None:
             return False
         now = self._clock()
-        ahead = self.heads.ahead(
-            ticket.priority, self.queue.share(ticket.tenant), now - HEAD_FRESH_S
-        )
+        share = self.queue.share(ticket.tenant)
+        ahead = self.heads.ahead(ticket.priority, share, ticket.enqueued_at, now - HEAD_FRESH_S)
         if not ahead:
             return False
         models = {model_key(model) for view in roomy for model in view.models}

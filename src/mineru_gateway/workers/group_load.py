@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import math
 import mmap
@@ -143,6 +144,11 @@ class GroupLoad:
         at = self._own + self._width * column
         self._values[at : at + self._width] = array("d", figures)
 
+    def total(self, column: int, figure: int) -> float:
+        """Figure `figure` of the column summed over every process, this one included."""
+        values, at = self._values, self._width * column + figure
+        return values[self._own + at] + sum(values[row + at] for row in self._others)
+
     def others_row(self, column: int) -> list[float]:
         """The other processes' `width` figures in the column, each summed."""
         width, values = self._width, self._values
@@ -198,10 +204,19 @@ class GroupTenants:
         if column >= 0:
             self._table.publish_row(column, (in_flight, queued, queued_bytes))
 
+    def column_of(self, tenant: str) -> int:
+        """The tenant's column, -1 for one counted by this process alone."""
+        return self._column(tenant)
 
-_HEAD_WIDTH = 5  # (when posted, priority, share, model key, when queued) per process
+    def in_flight_at(self, column: int) -> float:
+        """Every process's requests in flight of the tenant in `column`, this one's included."""
+        return self._table.total(column, 0)
 
 
+_HEAD_WIDTH = 7  # when posted, priority, share, model key, when queued, tenant column, weight
+
+
+@functools.lru_cache(maxsize=256)
 def model_key(model: str | None) -> float:
     """A model's key in a posted head, exact as a double (52 bits); 0 for a request that any
     worker serves."""
@@ -211,24 +226,31 @@ def model_key(model: str | None) -> float:
 class QueueHeads:
     """Each process's most urgent queued request, posted for the others to give way to.
 
-    A process's queue orders only its own requests. With N processes a tenant's request waited
-    for room that its own process's requests left, while the others gave theirs to requests
-    that were less urgent (a lower priority band, or a tenant already holding more of the
-    batch): its wait was about N times one process's. So each process posts its head (its
-    priority band, its tenant's share of the gateway's requests for its weight, and its model),
-    and a process about to use room that only a more urgent head elsewhere should take leaves
-    it and rings that process (siblings.py, `Doorbell`), whose queue takes it; a lost ring
-    waits for that queue's next look at the table (every `SIBLING_POLL_S`). The processes'
-    views of a worker can differ for a while (each probes health itself; readings reach the
-    others a little later), so a head that does not take the room it is left within the same
-    time is passed over (the dispatcher's part). A head
-    older than the caller's `since` is ignored: its process has stopped posting (it died, or it
-    is stuck), and room must not wait for it. Read and written under the workers' table lock
+    A process's queue orders only its own requests, and room a request leaves is taken first by
+    its own process (it pumps its queue at once; the others look every `SIBLING_POLL_S`). With
+    N processes a process that held no room was starved while a sibling kept refilling the
+    worker from its queue (B's requests waited in its queue for the whole of A's batch,
+    benchmarks/results/flow_processes.md), and room went to requests less urgent than one
+    waiting elsewhere. So each process posts its head, and a process about to use room that only
+    more urgent heads elsewhere should take leaves it and rings those processes (siblings.py,
+    `Doorbell`), whose queues take it; a lost ring waits for that queue's next look.
+
+    The order between processes: the priority band, then the tenant's share of the gateway's
+    requests in flight for its weight (read from the tenants' table at the moment of the
+    decision for both heads, so a request that just ended counts alike for both), then the
+    longest waiting. The processes' views of a worker can differ for a while (each probes health
+    itself; readings reach the others a little later), so a head that does not take the room it
+    is left is passed over after a while (the dispatcher's part). A head older than the caller's
+    `since` is ignored: its process has stopped posting (it died, or it is stuck), and room must
+    not wait for it. Read and written under the workers' table lock
     (`WorkerRegistry.deciding`), so a head is never read half-written.
     """
 
-    def __init__(self, path: Path, processes: int, index: int) -> None:
+    def __init__(
+        self, path: Path, processes: int, index: int, tenants: GroupTenants | None = None
+    ) -> None:
         size = 8 * _HEAD_WIDTH * processes
+        self._tenants = tenants
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
@@ -243,24 +265,40 @@ class QueueHeads:
         self.clear()
 
     def post(
-        self, at: float, priority: int, share: float, model: str | None, queued_at: float
+        self,
+        at: float,
+        priority: int,
+        tenant: str,
+        weight: float,
+        share: float,
+        model: str | None,
+        queued_at: float,
     ) -> None:
-        """This process's head now; `queued_at` (when it was queued) tells one head from the
-        next."""
+        """This process's head now: its tenant's `share` stands for it where the tenant has no
+        column; `queued_at` tells one head from the next and orders equal shares."""
+        column = -1 if self._tenants is None else self._tenants.column_of(tenant)
         self._values[self._own : self._own + _HEAD_WIDTH] = array(
-            "d", (at, priority, share, model_key(model), queued_at)
+            "d", (at, priority, share, model_key(model), queued_at, column, weight)
         )
 
     def clear(self) -> None:
         self._values[self._own] = -math.inf  # posted never
 
-    def ahead(self, priority: int, share: float, since: float) -> list[tuple[int, float, float]]:
-        """The heads, posted at `since` or later, that go before a request of `priority` whose
-        tenant holds `share` (a more urgent band, or the same band and a smaller share; ties go
-        to neither), as (process index, model key, when queued)."""
+    def ahead(
+        self, priority: int, share: float, queued_at: float, since: float
+    ) -> list[tuple[int, float, float]]:
+        """The heads, posted at `since` or later, that go before a request of `priority`,
+        queued at `queued_at`, whose tenant holds `share` (module docstring: band, share,
+        age), as (process index, model key, when queued)."""
         values, found = self._values, []
         for index, at in self._others:
-            if values[at] >= since and (values[at + 1], values[at + 2]) < (priority, share):
+            if values[at] < since or values[at + 1] > priority:
+                continue
+            theirs = values[at + 2]
+            column = int(values[at + 5])
+            if column >= 0 and self._tenants is not None:
+                theirs = self._tenants.in_flight_at(column) / values[at + 6]
+            if (values[at + 1], theirs, values[at + 4]) < (priority, share, queued_at):
                 found.append((index, values[at + 3], values[at + 4]))
         return found
 
