@@ -183,6 +183,12 @@ def test_shares_count_every_process(tmp_path: Path) -> None:
     assert second.share(TenantPolicy("a", weight=2.0)) == 1.5
     head = second.next()
     assert head is not None and head.name == "b"
+    # With sibling processes the share goes first, then the tag: b is served, its tag moves
+    # on, and b still goes before a, which holds three requests to b's one.
+    second.pop(head)
+    second.push(ticket(B))
+    head = second.next()
+    assert head is not None and head.name == "b"
     alone = FairQueue()
     alone.push(ticket(A))
     alone.push(ticket(B))

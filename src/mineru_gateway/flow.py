@@ -20,8 +20,14 @@ The order, from first to last:
 - **FIFO within a tenant and band.**
 
 With several processes (`serve --processes N`) each holds a queue of its own requests; given
-`TenantsElsewhere`, a tenant's limits and its share count the whole gateway's requests, and
-`share()` ranks queue heads across the processes (workers/group_load.py, `QueueHeads`).
+`TenantsElsewhere`, a tenant's limits and its share count the whole gateway's requests. Inside a
+band the order is then by share first (the tenant with the fewest of the gateway's requests in
+flight for its weight), the fair-queuing tag second: each process's tags run on its own clock,
+advanced by its own dispatches, and cannot be compared with another's, while shares can, and
+`share()` ranks queue heads across the processes (workers/group_load.py, `QueueHeads`). Ordered
+by tags, a light tenant's request queued behind a flooding tenant's in one process while that
+process's dispatches were a fraction of the fleet's (TTFT p99 3.2 s against 0.38 s with one
+process: benchmarks/results/flow_processes.md).
 
 Backpressure: the queue is bounded in requests and in bytes (page images are megabytes), per
 tenant (when configured) and in total. When the total is full, the request that goes is the newest
@@ -253,9 +259,10 @@ class FairQueue:
     def next(self, eligible: Callable[[Ticket], bool] = lambda ticket: True) -> Ticket | None:
         """The ticket to serve next among those `eligible` allows; None if there is none.
         A tenant at its in-flight limit waits; so does everything behind an ineligible head."""
+        order = _by_order if self._elsewhere is None else _by_share
         for priority in sorted(self._bands):
             band = self._bands[priority]
-            for *_order, ticket in sorted(self._heads(priority, band), key=_by_order):
+            for *_order, ticket in sorted(self._heads(priority, band), key=order):
                 if eligible(ticket):
                     return ticket
         return None
@@ -391,6 +398,10 @@ class FairQueue:
 
 def _by_order(head: tuple[float, float, Ticket]) -> tuple[float, float]:
     return head[0], head[1]
+
+
+def _by_share(head: tuple[float, float, Ticket]) -> tuple[float, float]:
+    return head[1], head[0]
 
 
 # -- how long to come back after --------------------------------------------------------------

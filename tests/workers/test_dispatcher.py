@@ -338,16 +338,17 @@ def sibling(
     return dispatcher
 
 
+def pair(tmp_path: Path, doorbells: list[Doorbell], *, batch: int) -> list[Dispatcher]:
+    return [sibling(tmp_path, doorbells, index, batch=batch) for index in range(2)]
+
+
 async def test_room_goes_to_the_most_urgent_request_of_any_process(
     tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
     """A's batch holds the worker through the first process and queues more there; B's request
     waits in the second. Room that A's request leaves goes to B (a tenant with nothing in
     flight), though the first process's own queue would have taken it at once."""
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=3),
-        sibling(tmp_path, doorbells, 1, batch=3),
-    )
+    first, second = pair(tmp_path, doorbells, batch=3)
     held = [await first.acquire(ask(A)) for _ in range(3)]
     a_waits = asyncio.ensure_future(first.acquire(ask(A)))
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
@@ -364,10 +365,7 @@ async def test_room_goes_to_the_most_urgent_request_of_any_process(
 async def test_a_more_urgent_band_in_another_process_goes_first(
     tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=1),
-        sibling(tmp_path, doorbells, 1, batch=1),
-    )
+    first, second = pair(tmp_path, doorbells, batch=1)
     held = await first.acquire(ask(A))
     background = asyncio.ensure_future(first.acquire(ask(B, priority=5)))
     urgent = asyncio.ensure_future(second.acquire(ask(A, priority=-1)))
@@ -384,10 +382,7 @@ async def test_a_newcomer_does_not_take_room_a_more_urgent_request_waits_for(
 ) -> None:
     """The first process has nothing queued when room appears, but B waits in the second:
     A's next request, arriving before the second process looks again, queues behind it."""
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=2),
-        sibling(tmp_path, doorbells, 1, batch=2),
-    )
+    first, second = pair(tmp_path, doorbells, batch=2)
     held = [await first.acquire(ask(A)) for _ in range(2)]
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
     await asyncio.sleep(0.05)
@@ -422,10 +417,7 @@ async def test_more_room_than_urgent_heads_is_used_at_once(
     tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
     """One request waiting elsewhere holds back one request's room, not all of it."""
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=3),
-        sibling(tmp_path, doorbells, 1, batch=3),
-    )
+    first, second = pair(tmp_path, doorbells, batch=3)
     held = [await first.acquire(ask(A)) for _ in range(3)]
     b_waits = asyncio.ensure_future(second.acquire(ask(B)))
     a_waits = [asyncio.ensure_future(first.acquire(ask(A))) for _ in range(2)]
@@ -470,10 +462,7 @@ async def test_room_a_process_has_no_request_for_is_rung_over_to_a_waiting_sibli
     """With its look at the table taken out (a 10 s poll), the second process's request is
     served when the first one's request ends only because the first rings it."""
     monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=1),
-        sibling(tmp_path, doorbells, 1, batch=1),
-    )
+    first, second = pair(tmp_path, doorbells, batch=1)
     held = await first.acquire(ask(A))
     waiting = asyncio.ensure_future(second.acquire(ask(B)))
     await settle()
@@ -491,10 +480,7 @@ async def test_a_process_holding_no_room_is_not_starved_by_one_that_holds_it_all
     in the second process, goes first (before, the second process got room only when the
     first's queue ran dry: B waited for the whole of A's batch)."""
     monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)  # only rings wake a queue
-    first, second = (
-        sibling(tmp_path, doorbells, 0, batch=1),
-        sibling(tmp_path, doorbells, 1, batch=1),
-    )
+    first, second = pair(tmp_path, doorbells, batch=1)
     held = await first.acquire(ask(A))
     older = asyncio.ensure_future(second.acquire(ask(A)))
     await asyncio.sleep(0.01)
