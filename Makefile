@@ -79,7 +79,7 @@ bench-flow: install
 ## B's wait with A's batch queued in both processes (about 9 minutes). benchmarks/results/.
 FLOW_PROCESSES_ARGS = --scenario flood --set modes=flow_control --set workers=1 \
 	--set concurrency=200 --set alone_s=30 --set batch_s=90 --set capacity_warmup_s=10 \
-	--set capacity_window_s=20 --set b_rate=1 --gateway-arg=--batch-limit=16 --no-plots
+	--set capacity_window_s=20 --set b_rate=2 --gateway-arg=--batch-limit=16 --no-plots
 bench-flow-processes: install
 	$(BIN)/python -m benchmarks.flow $(FLOW_PROCESSES_ARGS) --gateway-arg=--processes \
 		--gateway-arg=1 --out benchmarks/results/flow_processes_1.json
