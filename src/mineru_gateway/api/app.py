@@ -172,26 +172,23 @@ def build_dispatcher(
 ) -> Dispatcher:
     """With sibling processes, tenants' limits and shares count every process's requests,
     and room goes to the most urgent request waiting in any of them (group_load.py)."""
-    tenants = siblings.group_tenants() if siblings is not None else None
-    queue = FairQueue(
-        QueueLimits(
-            max_queued=settings.max_queued,
-            max_queued_bytes=settings.max_queued_bytes,
-            max_wait_s=settings.max_queue_wait_s,
-        ),
-        elsewhere=tenants,
+    limits = QueueLimits(
+        max_queued=settings.max_queued,
+        max_queued_bytes=settings.max_queued_bytes,
+        max_wait_s=settings.max_queue_wait_s,
     )
     room = RoomPolicy(
         headroom=settings.batch_headroom,
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
-    if siblings is None or tenants is None:
-        return Dispatcher(registry, queue, room, enabled=settings.flow_control)
+    if siblings is None:
+        return Dispatcher(registry, FairQueue(limits), room, enabled=settings.flow_control)
+    tenants = siblings.group_tenants()
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
         registry,
-        queue,
+        FairQueue(limits, elsewhere=tenants),
         room,
         enabled=settings.flow_control,
         heads=siblings.queue_heads(tenants),

@@ -49,6 +49,19 @@ class GroupFull(Exception):
     """Every column of the table is taken."""
 
 
+def _mapped(path: Path, size: int) -> tuple[int, mmap.mmap]:
+    """The processes' shared file at `path`, made (zero-filled) to `size` bytes by whichever
+    process opens it first, and mapped: its descriptor and its map."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)  # zero-filled
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    return fd, mmap.mmap(fd, size)
+
+
 def table_size(processes: int, columns: int = COLUMNS, width: int = WIDTH) -> int:
     """Bytes of a table for `processes` processes: the keys, then a row per process."""
     return 8 * columns + 8 * width * columns * processes
@@ -71,13 +84,8 @@ class GroupLoad:
     ) -> None:
         self._columns = columns
         self._width = width
-        size = table_size(processes, columns, width)
         self._depth = 0  # `locked` blocks open
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        with self.locked():
-            if os.fstat(self._fd).st_size < size:
-                os.ftruncate(self._fd, size)  # zero-filled
-        self._map = mmap.mmap(self._fd, size)
+        self._fd, self._map = _mapped(path, table_size(processes, columns, width))
         self._keys = memoryview(self._map)[: 8 * columns].cast("q")
         self._values = memoryview(self._map)[8 * columns :].cast("d")
         row = width * columns
@@ -181,7 +189,9 @@ class GroupTenants:
         self._table = table
         self._columns: dict[str, int] = {}
 
-    def _column(self, tenant: str) -> int:
+    def column_of(self, tenant: str) -> int:
+        """The tenant's column, claimed at first sight; -1 for one counted by this process
+        alone."""
         column = self._columns.get(tenant)
         if column is None:
             try:
@@ -193,20 +203,16 @@ class GroupTenants:
         return column
 
     def others(self, tenant: str) -> tuple[int, int, int]:
-        column = self._column(tenant)
+        column = self.column_of(tenant)
         if column < 0:
             return 0, 0, 0
         in_flight, queued, queued_bytes = self._table.others_row(column)
         return int(in_flight), int(queued), int(queued_bytes)
 
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
-        column = self._column(tenant)
+        column = self.column_of(tenant)
         if column >= 0:
             self._table.publish_row(column, (in_flight, queued, queued_bytes))
-
-    def column_of(self, tenant: str) -> int:
-        """The tenant's column, -1 for one counted by this process alone."""
-        return self._column(tenant)
 
     def in_flight_at(self, column: int) -> float:
         """Every process's requests in flight of the tenant in `column`, this one's included."""
@@ -249,16 +255,8 @@ class QueueHeads:
     def __init__(
         self, path: Path, processes: int, index: int, tenants: GroupTenants | None = None
     ) -> None:
-        size = 8 * _HEAD_WIDTH * processes
         self._tenants = tenants
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            if os.fstat(self._fd).st_size < size:
-                os.ftruncate(self._fd, size)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._map = mmap.mmap(self._fd, size)
+        self._fd, self._map = _mapped(path, 8 * _HEAD_WIDTH * processes)
         self._values = memoryview(self._map).cast("d")
         self._own = _HEAD_WIDTH * index
         self._others = [(i, _HEAD_WIDTH * i) for i in range(processes) if i != index]
