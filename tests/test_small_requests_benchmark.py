@@ -42,7 +42,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "small_requests"
 
 def make_run(proxy: str, rps: float, cpu_s: float, round_: int = 0) -> Run:
     requests = int(rps * 8)
-    return Run(proxy, round_, requests, 8.0, rps, 1.0, 4.0, 0, cpu_s, 0.5)
+    return Run(proxy, round_, requests, 8.0, rps, 1.0, 4.0, 0, cpu_s, 0.5, cpu_user_s=cpu_s * 0.75)
 
 
 def test_parse_wrk_reads_the_done_hook_line() -> None:
@@ -107,6 +107,8 @@ def test_run_derives_cpu_per_request() -> None:
     run = make_run("gateway", 1000.0, 4.0)
     assert run.cpu_us_per_request == pytest.approx(500.0)
     assert run.requests_per_cpu_s == pytest.approx(2000.0)
+    assert run.user_us_per_request == pytest.approx(375.0)
+    assert run.as_dict()["user_us_per_request"] == pytest.approx(375.0)
     assert math.isnan(Run("x", 0, 0, 8.0, 0.0, 0.0, 0.0, 0, 0.0, 0.0).requests_per_cpu_s)
 
 
@@ -127,6 +129,8 @@ def test_summarize_takes_medians_and_ratios_to_vllm_router() -> None:
     )
     assert router["requests_per_s_vs_ref"] == pytest.approx(1.0)
     assert gateway["cpu_cores"] == pytest.approx(0.5)
+    assert gateway["user_us_per_request"] == pytest.approx(((500 + 1e6 / 2400) / 2) * 0.75)
+    assert gateway["kernel_us_per_request"] == pytest.approx(((500 + 1e6 / 2400) / 2) * 0.25)
 
 
 def test_summarize_without_the_reference_has_no_ratios() -> None:
@@ -167,7 +171,8 @@ def test_markdown_has_the_table_and_the_profile() -> None:
     top = {"self": [("f (a.py:1)", 0.25)], "total": [("g (b.py:2)", 0.75)]}
     document["profile"] = {"command": "py-spy record", "top": top}
     text = markdown(document)
-    assert "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 2,000 | 0.12x | 0.25x | 0 |" in text
+    row = "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 375 / 125 us | 2,000 | 0.12x | 0.25x |"
+    assert row + " 0 |" in text
     assert "| 25.0% | `f (a.py:1)` |" in text and "| 75.0% | `g (b.py:2)` |" in text
     assert "- a note" in text
 
@@ -281,4 +286,6 @@ def test_streamed_runs_report_the_cpu_per_token_event() -> None:
     assert text.startswith("# Streamed requests: what a proxy costs per request and per token")
     assert "streaming each answer as 64 token events" in text and "every 2 ms" in text
     assert "| CPU per token event |" in text
-    assert "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 7.8 us | 2,000 |" in text
+    assert (
+        "| gateway | 1,000 | 1.00 | 4.00 | 0.50 | 500 us | 375 / 125 us | 7.8 us | 2,000 |" in text
+    )

@@ -22,6 +22,7 @@ from mineru_gateway.testing import (
     http_get,
     process_tree,
     tree_cpu_seconds,
+    tree_cpu_times,
     wait_http_ok,
     wait_until,
     wait_until_async,
@@ -111,8 +112,14 @@ def test_a_process_tree_holds_the_children_and_their_cpu() -> None:
         assert process_tree(os.getpid())[0] == os.getpid()
         assert child.pid in process_tree(os.getpid())
         before = tree_cpu_seconds(os.getpid())
+        user_before, _ = tree_cpu_times(os.getpid())
         # This process mostly sleeps in the wait: the second of CPU is the busy child's.
         wait_until(lambda: tree_cpu_seconds(os.getpid()) > before + 1.0, 20, "the child's CPU")
+        # A loop that makes no system call spends it in user space.
+        assert tree_cpu_times(os.getpid())[0] > user_before + 0.8
+        assert sum(tree_cpu_times(child.pid)) == pytest.approx(
+            tree_cpu_seconds(child.pid), abs=0.05
+        )
     finally:
         child.kill()
         child.wait()

@@ -16,6 +16,8 @@ import aiohttp
 from benchmarks.routing import fleet
 from benchmarks.routing.runs import FOREIGN_CPU_LIMIT, cpu_share
 
+from mineru_gateway.testing import process_tree
+
 MODES = ("pass_through", "flow_control")  # the baseline first
 
 
@@ -72,20 +74,6 @@ async def start_gateway(
         router.stop()
         raise
     return Gateway(mode, router, args)
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants (from /proc/*/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        out.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-    return out
 
 
 def peak_rss_mb(pid: int) -> float | None:

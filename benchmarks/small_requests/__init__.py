@@ -165,10 +165,17 @@ class Run:
     errors: int
     cpu_s: float  # the proxy's process tree, during the wrk run
     upstreams_cpu_s: float
+    cpu_user_s: float = float("nan")  # of cpu_s, in user space (the rest in the kernel)
 
     @property
     def cpu_us_per_request(self) -> float:
         return self.cpu_s / self.requests * 1e6 if self.requests else float("nan")
+
+    @property
+    def user_us_per_request(self) -> float:
+        """The proxy's own code's share of `cpu_us_per_request`; the kernel's (system calls,
+        the loopback network) is the rest."""
+        return self.cpu_user_s / self.requests * 1e6 if self.requests else float("nan")
 
     @property
     def requests_per_cpu_s(self) -> float:
@@ -177,6 +184,7 @@ class Run:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
             "cpu_us_per_request": self.cpu_us_per_request,
+            "user_us_per_request": self.user_us_per_request,
             "requests_per_cpu_s": self.requests_per_cpu_s,
         }
 
@@ -218,6 +226,10 @@ def _median_row(proxy: str, group: Sequence[Run]) -> dict[str, Any]:
         "p99_ms": median("p99_ms"),
         "cpu_cores": statistics.median(run.cpu_s / run.duration_s for run in group),
         "cpu_us_per_request": median("cpu_us_per_request"),
+        "user_us_per_request": median("user_us_per_request"),
+        "kernel_us_per_request": statistics.median(
+            run.cpu_us_per_request - run.user_us_per_request for run in group
+        ),
         "requests_per_cpu_s": median("requests_per_cpu_s"),
         "errors": sum(run.errors for run in group),
     }
@@ -284,17 +296,20 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
     events = any(row.get("cpu_us_per_event") is not None for row in rows)
     lines = [
         "| proxy | requests/s | p50 ms | p99 ms | proxy cores | CPU per request | "
+        "of which user / kernel | "
         + ("CPU per token event | " if events else "")
         + f"requests per CPU-second | req/s vs {REFERENCE} | req per CPU-s vs {REFERENCE} | "
         "errors |",
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if events else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if events else ""),
     ]
     for row in rows:
         per_event = f"{_fmt(row.get('cpu_us_per_event'), 1, ' us')} | " if events else ""
         lines.append(
             f"| {row['proxy']} | {_fmt(row['requests_per_s'])} | {_fmt(row['p50_ms'], 2)} | "
             f"{_fmt(row['p99_ms'], 2)} | {_fmt(row['cpu_cores'], 2)} | "
-            f"{_fmt(row['cpu_us_per_request'], 0, ' us')} | {per_event}"
+            f"{_fmt(row['cpu_us_per_request'], 0, ' us')} | "
+            f"{_fmt(row.get('user_us_per_request'))} / "
+            f"{_fmt(row.get('kernel_us_per_request'), 0, ' us')} | {per_event}"
             f"{_fmt(row['requests_per_cpu_s'])} | "
             f"{_fmt(row['requests_per_s_vs_ref'], 2, 'x')} | "
             f"{_fmt(row['requests_per_cpu_s_vs_ref'], 2, 'x')} | {row['errors']} |"

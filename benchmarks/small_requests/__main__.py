@@ -28,7 +28,7 @@ from typing import Any
 from benchmarks.routing import fleet, suite
 from benchmarks.routing.runs import git_commit, stop_on_sigterm
 
-from mineru_gateway.testing import free_port, tree_cpu_seconds, wait_http_ok
+from mineru_gateway.testing import free_port, tree_cpu_seconds, tree_cpu_times, wait_http_ok
 
 from . import (
     CHAT,
@@ -153,19 +153,23 @@ class Bench:
         proxies = [self.proxies[name] for name in names]
         urls = [proxy.url for proxy in proxies]
         self.wrk(urls, self.args.warmup)
-        before = [tree_cpu_seconds(proxy.handle.pid) for proxy in proxies]
+        before = [tree_cpu_times(proxy.handle.pid) for proxy in proxies]
         up_before = sum(tree_cpu_seconds(pid) for pid in self.upstream_pids)
         outputs = self.wrk(urls, self.args.duration)
-        cpu = [tree_cpu_seconds(p.handle.pid) - b for p, b in zip(proxies, before, strict=True)]
+        after = [tree_cpu_times(proxy.handle.pid) for proxy in proxies]
         up_cpu = sum(tree_cpu_seconds(pid) for pid in self.upstream_pids) - up_before
         runs = []
-        for name, output, cpu_s in zip(names, outputs, cpu, strict=True):
+        for name, output, (user0, sys0), (user1, sys1) in zip(
+            names, outputs, before, after, strict=True
+        ):
             wrk = asdict(parse_wrk(output))
-            run = Run(proxy=name, round=round_, **wrk, cpu_s=cpu_s, upstreams_cpu_s=up_cpu)
+            cpu_s, user_s = user1 + sys1 - user0 - sys0, user1 - user0
+            run = Run(name, round_, **wrk, cpu_s=cpu_s, upstreams_cpu_s=up_cpu, cpu_user_s=user_s)
             print(
                 f"round {round_} {name:22s} {run.requests_per_s:9.0f} req/s  "
                 f"p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:6.2f} ms  "
-                f"{run.cpu_us_per_request:6.0f} us CPU/request  "
+                f"{run.cpu_us_per_request:6.0f} us CPU/request "
+                f"({run.user_us_per_request:.0f} user)  "
                 f"{run.requests_per_cpu_s:7.0f} req/CPU-s  errors {run.errors}",
                 flush=True,
             )

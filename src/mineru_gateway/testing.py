@@ -52,18 +52,30 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` alone (0 once it is gone)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system (kernel) CPU seconds of `pid` alone ((0, 0) once it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` alone (0 once it is gone)."""
+    return sum(cpu_times(pid))
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of `pid` and its live descendants (`serve --processes N`)."""
+    times = [cpu_times(member) for member in process_tree(pid)]
+    return sum(user for user, _ in times), sum(system for _, system in times)
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` and its live descendants (`serve --processes N`)."""
-    return sum(cpu_seconds(member) for member in process_tree(pid))
+    """User + system CPU seconds of `pid` and its live descendants."""
+    return sum(tree_cpu_times(pid))
 
 
 def free_port() -> int:
