@@ -27,24 +27,27 @@ def test_each_process_sees_the_others_counts_and_not_its_own(tmp_path: Path) -> 
     first, second = GroupLoad(tmp_path / "t", 2, 0), GroupLoad(tmp_path / "t", 2, 1)
     a, b = first.column(URLS[0]), second.column(URLS[1])
     assert a != b and second.column(URLS[0]) == a and first.column(URLS[1]) == b
-    first.publish(a, 3, 2.5)
-    assert second.others(a) == (3, 2.5)
-    assert first.others(a) == (0, 0.0)  # its own are not others'
-    assert second.others(b) == (0, 0.0)
-    first.publish(a, 2, 1.5)  # a count is the process's whole count, not a change
-    second.publish(b, 1, 1.0)
-    assert (second.others(a), first.others(b)) == ((2, 1.5), (1, 1.0))
+    (first_a, first_b), (second_a, second_b) = [
+        [t.worker(u) for u in URLS[:2]] for t in (first, second)
+    ]
+    first_a.publish(3, 2.5)
+    assert second_a.others() == (3, 2.5)
+    assert first_a.others() == (0, 0.0)  # its own are not others'
+    assert second_b.others() == (0, 0.0)
+    first_a.publish(2, 1.5)  # a count is the process's whole count, not a change
+    second_b.publish(1, 1.0)
+    assert (second_a.others(), first_b.others()) == ((2, 1.5), (1, 1.0))
 
 
 def test_a_process_that_starts_again_holds_nothing(tmp_path: Path) -> None:
     first, second = GroupLoad(tmp_path / "t", 2, 0), GroupLoad(tmp_path / "t", 2, 1)
     a = first.column(URLS[0])
-    first.publish(a, 3, 2.5)
-    second.publish(a, 1, 1.0)
+    first.worker(URLS[0]).publish(3, 2.5)
+    second.worker(URLS[0]).publish(1, 1.0)
     first.close()  # it died holding three requests
     again = GroupLoad(tmp_path / "t", 2, 0)
-    assert second.others(a) == (0, 0.0)
-    assert again.others(a) == (1, 1.0)  # the other process's row is untouched
+    assert second.worker(URLS[0]).others() == (0, 0.0)
+    assert again.worker(URLS[0]).others() == (1, 1.0)  # the other process's row is untouched
     assert again.column(URLS[0]) == a
 
 
@@ -61,7 +64,7 @@ def test_columns_are_claimed_once_each_until_the_table_is_full(tmp_path: Path) -
 def _claim_and_publish(path: Path, urls: list[str]) -> None:
     table = GroupLoad(path, 2, 1)
     for count, url in enumerate(urls, start=1):
-        table.publish(table.column(url), count, count / 2)
+        table.worker(url).publish(count, count / 2)
 
 
 def test_another_process_claims_and_counts_through_the_same_file(tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_another_process_claims_and_counts_through_the_same_file(tmp_path: Path)
     columns[URLS[2]] = mine.column(URLS[2])  # claimed by the child: found, not claimed again
     assert len(set(columns.values())) == 3
     # The child published c: 1, b: 2, a: 3 (its order), each under the column this one has.
-    assert [mine.others(columns[url]) for url in URLS] == [(3, 1.5), (2, 1.0), (1, 0.5)]
+    assert [mine.worker(url).others() for url in URLS] == [(3, 1.5), (2, 1.0), (1, 0.5)]
 
 
 def test_the_lock_holds_until_the_outermost_block_ends(tmp_path: Path) -> None:

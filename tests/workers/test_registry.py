@@ -369,8 +369,8 @@ def test_a_worker_past_the_tables_columns_is_routed_on_this_process_s_count(
         ["http://a:1", "http://b:1"], UpstreamClient(Timeouts(1, 1, 1)), QueueLength(), group=table
     )
     shared, alone = registry.workers
-    assert (shared.group, alone.group) == (table, None)
-    GroupLoad(tmp_path / "t", 2, 1, columns=1).publish(0, 3, 3.0)  # the other process, on a
+    assert shared.shared is not None and alone.shared is None
+    GroupLoad(tmp_path / "t", 2, 1, columns=1).worker("http://a:1").publish(3, 3.0)  # on a
     assert shared.gateway_load() == (3, 3.0) and alone.gateway_load() == (0, 0.0)
     with registry.lease(alone, Cost(prefill=0.0, hold=1.0)):
         assert alone.gateway_load() == (1, 1.0)

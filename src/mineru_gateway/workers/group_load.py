@@ -131,21 +131,9 @@ class GroupLoad:
                 return column
         return None
 
-    def publish(self, column: int, count: int, cost: float) -> None:
-        """This process's requests on the worker and their estimated cost, now."""
-        at = self._own + WIDTH * column
-        self._values[at] = count
-        self._values[at + 1] = cost
-
-    def others(self, column: int) -> tuple[int, float]:
-        """The other processes' requests on the worker and their cost, summed."""
-        count, cost = 0.0, 0.0
-        values = self._values
-        for row in self._others:
-            at = row + WIDTH * column
-            count += values[at]
-            cost += values[at + 1]
-        return int(count), cost
+    def worker(self, url: str) -> WorkerColumn:
+        """The worker's column, claimed if no process has yet (`GroupFull` if none is left)."""
+        return WorkerColumn(self._values, self._own, self._others, self.column(url))
 
     def publish_row(self, column: int, figures: tuple[float, ...]) -> None:
         """This process's `width` figures in the column, now."""
@@ -172,6 +160,32 @@ class GroupLoad:
         self._values.release()
         self._map.close()
         os.close(self._fd)
+
+
+class WorkerColumn:
+    """One worker's column of the workers' table, as one process writes and reads it: the
+    request path's use (three writes and a read per request), so each is a single call."""
+
+    __slots__ = ("_others", "_own", "_values")
+
+    def __init__(self, values: memoryview[float], own: int, others: list[int], column: int) -> None:
+        self._values = values
+        self._own = own + WIDTH * column
+        self._others = [row + WIDTH * column for row in others]
+
+    def publish(self, count: int, cost: float) -> None:
+        """This process's requests on the worker and their estimated cost, now."""
+        self._values[self._own] = count
+        self._values[self._own + 1] = cost
+
+    def others(self) -> tuple[int, float]:
+        """The other processes' requests on the worker and their cost, summed."""
+        count, cost = 0.0, 0.0
+        values = self._values
+        for at in self._others:
+            count += values[at]
+            cost += values[at + 1]
+        return int(count), cost
 
 
 # -- tenants and queue heads --------------------------------------------------------------------

@@ -49,7 +49,7 @@ from mineru_gateway.routing import (
     WorkerView,
     candidates_for,
 )
-from mineru_gateway.workers.group_load import GroupFull, GroupLoad
+from mineru_gateway.workers.group_load import GroupFull, GroupLoad, WorkerColumn
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad, parse_vllm_load
 
@@ -130,19 +130,18 @@ class Worker:
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
     load_path: str = LOAD_PATH  # FULL_PATH from a failed filtered read until an outage ends
     leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
-    # With `serve --processes N`: the table of every process's counts, and this worker's column.
-    group: GroupLoad | None = field(default=None, repr=False, compare=False)
-    column: int = -1
+    # With `serve --processes N`: the worker's column of every process's counts (group_load.py).
+    shared: WorkerColumn | None = field(default=None, repr=False, compare=False)
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     def publish(self) -> None:
         """This process's count and cost on the worker, for its sibling processes to see."""
-        if self.group is not None:
-            self.group.publish(self.column, self.in_flight, self.own_cost)
+        if self.shared is not None:
+            self.shared.publish(self.in_flight, self.own_cost)
 
     def siblings_load(self) -> tuple[int, float]:
         """The sibling processes' requests on the worker and their cost (group_load.py)."""
-        return (0, 0.0) if self.group is None else self.group.others(self.column)
+        return (0, 0.0) if self.shared is None else self.shared.others()
 
     def gateway_load(self) -> tuple[int, float]:
         """The gateway's requests on the worker and their cost: this process's and its
@@ -337,7 +336,7 @@ class WorkerRegistry:
         if self._group is None:
             return Worker(url)
         try:
-            return Worker(url, group=self._group, column=self._group.column(url))
+            return Worker(url, shared=self._group.worker(url))
         except GroupFull as full:
             # Routed on this process's own count plus the readings, as before the table.
             log.warning("worker_counts_not_shared", worker=url, reason=str(full))
@@ -619,7 +618,7 @@ class WorkerRegistry:
                     # The reader's count at its read is the whole gateway's where the worker's
                     # counts are shared (a full table leaves a worker out: then this process's
                     # own count is the best there is, as the reader's is for the reader).
-                    shared = worker.group is not None
+                    shared = worker.shared is not None
                     self._take(
                         worker, reading, reading.own_in_flight if shared else worker.in_flight
                     )
