@@ -227,12 +227,12 @@ class Dispatcher:
         self.pump()
 
     def _serve(self) -> None:
-        while True:
-            with self.registry.deciding():
-                served = not self.queue.is_idle() and self._serve_one()
-                self._post_head()
-                if not served:
-                    return
+        # One hold of the table's lock for the whole run of grants (each is synchronous): no
+        # sibling decides in between, so the head is posted once, after the last.
+        with self.registry.deciding():
+            while not self.queue.is_idle() and self._serve_one():
+                pass
+            self._post_head()
 
     def _post_head(self) -> None:
         """With sibling processes: this process's most urgent waiting request, for them to
