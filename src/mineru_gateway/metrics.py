@@ -17,6 +17,7 @@ import bisect
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -27,6 +28,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from mineru_gateway import __version__
+
+if TYPE_CHECKING:
+    from mineru_gateway.api.accounting import Ledger, LedgerKey
 
 # 5 ms to 10 minutes: TTFT ranges from milliseconds to a full queue, E2E to MinerU's 600 s timeout.
 LATENCY_BUCKETS = (
@@ -85,18 +89,30 @@ def _bound(bound: float) -> str:
 
 
 class Counter:
-    """A labelled counter kept as a dict of floats."""
+    """A labelled counter: each series' total in a one-item list (its cell), which a caller
+    counting the same series again and again may hold (`cell`) rather than look up."""
 
     def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
         self.name, self.doc, self.labels = name, doc, tuple(labels)
-        self.values: dict[Labels, float] = {}
+        self._cells: dict[Labels, list[float]] = {}
 
     def inc(self, *values: str, amount: float = 1.0) -> None:
-        self.values[values] = self.values.get(values, 0.0) + amount
+        cell = self._cells.get(values)
+        if cell is None:
+            self._cells[values] = [amount]
+        else:
+            cell[0] += amount
+
+    def cell(self, *values: str) -> list[float]:
+        """The series' cell, `[total]`; the series is exported from now on, at 0 until counted."""
+        found = self._cells.get(values)
+        if found is None:
+            found = self._cells[values] = [0.0]
+        return found
 
     def collect(self) -> Metric:
         family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for values, total in self.values.items():
+        for values, (total,) in self._cells.items():
             family.add_metric(list(values), total)
         return family
 
@@ -116,7 +132,10 @@ class WorkerGauges:
 
 @dataclass
 class GatewayMetrics:
-    """Every metric the gateway records itself; built per app, exported by `GatewayCollector`."""
+    """Every metric the gateway records itself; built per app, exported by `GatewayCollector`.
+    `ledgers` holds, per kind of finished exchange, the series it counts in (api/accounting.py)."""
+
+    ledgers: dict[LedgerKey, Ledger] = field(default_factory=dict, repr=False, compare=False)
 
     requests: Counter = field(
         default_factory=lambda: Counter(

@@ -116,6 +116,54 @@ def test_a_streamed_error_event_after_headers_keeps_its_ttft_but_no_e2e() -> Non
     assert samples(metrics.e2e) == {}
 
 
+def test_a_tenants_exchanges_count_in_its_series_and_each_kind_in_its_own() -> None:
+    metrics = GatewayMetrics()
+    mine = replace(STREAMED, tenant="team", queued_s=0.25)
+    record_metrics(metrics, mine)
+    record_metrics(metrics, replace(mine, completion_tokens=30, prompt_tokens=None))
+    refused = ExchangeRecord("r3", "chat", "tenant_queue_full", 1.0, 1.1, tenant="team", status=429)
+    record_metrics(metrics, refused)
+    assert samples(metrics.requests) == {
+        ("mineru_gateway_requests_total", ("chat", "m", WORKER, "200", "ok")): 2.0,
+        ("mineru_gateway_requests_total", ("chat", "", "", "429", "tenant_queue_full")): 1.0,
+    }
+    assert samples(metrics.tenant_requests) == {
+        ("mineru_gateway_tenant_requests_total", ("team", "200")): 2.0,
+        ("mineru_gateway_tenant_requests_total", ("team", "429")): 1.0,
+    }
+    assert samples(metrics.rejections) == {
+        ("mineru_gateway_rejections_total", ("team", "tenant_queue_full")): 1.0
+    }
+    waits = samples(metrics.queue_wait)  # only what went to a worker waited for one
+    assert waits[("mineru_gateway_queue_wait_seconds_count", ("team",))] == 2
+    assert waits[("mineru_gateway_queue_wait_seconds_sum", ("team",))] == 0.5
+    assert samples(metrics.tenant_tokens) == {
+        ("mineru_gateway_tenant_tokens_total", ("team", "prompt")): 1400.0,
+        ("mineru_gateway_tenant_tokens_total", ("team", "completion")): 150.0,
+    }
+    assert samples(metrics.prompt_tokens) == {
+        ("mineru_gateway_prompt_tokens_total", ("m", WORKER)): 1400.0
+    }
+    e2e = samples(metrics.e2e)
+    assert e2e[("mineru_gateway_e2e_request_latency_seconds_count", ("m", WORKER))] == 2
+
+
+def test_a_series_appears_at_its_first_count_not_at_its_kinds_first_exchange() -> None:
+    metrics = GatewayMetrics()
+    bare = replace(STREAMED, streaming=False, first_chunk=None, prompt_tokens=None)
+    record_metrics(metrics, replace(bare, completion_tokens=0))
+    assert samples(metrics.prompt_tokens) == samples(metrics.completion_tokens) == {}
+    assert samples(metrics.ttft) == samples(metrics.tenant_tokens) == {}
+    record_metrics(metrics, replace(bare, completion_tokens=5, prompt_tokens=9))  # same kind
+    assert samples(metrics.prompt_tokens) == {
+        ("mineru_gateway_prompt_tokens_total", ("m", WORKER)): 9.0
+    }
+    assert samples(metrics.completion_tokens) == {
+        ("mineru_gateway_completion_tokens_total", ("m", WORKER)): 5.0
+    }
+    assert len(metrics.ledgers) == 1
+
+
 # -- learn_cost --------------------------------------------------------------------------------
 
 

@@ -302,3 +302,31 @@ def test_retries_are_bounded(start_gateway: StartGateway) -> None:
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_an_exchange_records_each_field_under_its_own_name() -> None:
+    """`Exchange.record` builds the record positionally (for speed): every field must land
+    where its name says, with values that tell each field from the others."""
+    from mineru_gateway.api.relay import Exchange
+    from mineru_gateway.api.requests import parse_request
+
+    async def send(message: object) -> None:
+        raise AssertionError("nothing is sent")
+
+    exchange = Exchange(send, "rid", "chat")
+    exchange.received, exchange.first_chunk, exchange.finished = 1.0, 2.0, 3.0
+    exchange.worker, exchange.attempts, exchange.status = "http://w:1", 2, 201
+    exchange.streaming, exchange.tokens, exchange.tenant = True, 7, "team"
+    exchange.priority, exchange.queued_s = 4, 0.5
+    exchange.usage = {"prompt_tokens": 11}  # no completion count: the stream's is taken
+    request = parse_request("chat", orjson.dumps(chat_body(stream=True)))
+    record = exchange.record(request, "ok")
+    assert (record.request_id, record.endpoint, record.outcome) == ("rid", "chat", "ok")
+    assert (record.received, record.first_chunk, record.finished) == (1.0, 2.0, 3.0)
+    assert record.ended > 3.0  # now (perf_counter), not one of the exchange's times
+    assert (record.model, record.stream, record.cost) == ("echo-model", True, request.cost)
+    assert (record.worker, record.attempts, record.status) == ("http://w:1", 2, 201)
+    assert (record.streaming, record.completion_tokens, record.prompt_tokens) == (True, 7, 11)
+    assert (record.tenant, record.priority, record.queued_s) == ("team", 4, 0.5)
+    none = Exchange(send, "r2", "completions").record(None, "invalid_request")
+    assert (none.model, none.stream, none.cost, none.prompt_tokens) == (None, None, None, None)
