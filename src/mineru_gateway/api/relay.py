@@ -66,6 +66,29 @@ USAGE_MARKER = b'"usage":{'
 class Exchange:
     """Writes one client exchange and remembers what went out, to whom and when."""
 
+    __slots__ = (
+        "_itl",
+        "_link",
+        "_send",
+        "attempts",
+        "complete",
+        "endpoint",
+        "finished",
+        "first_chunk",
+        "last_chunk",
+        "priority",
+        "queued_s",
+        "received",
+        "request_id",
+        "status",
+        "streaming",
+        "tenant",
+        "tokens",
+        "upstream_sent",
+        "usage",
+        "worker",
+    )
+
     def __init__(
         self, send: Send, request_id: str, endpoint: Endpoint, link: ClientLink | None = None
     ) -> None:
