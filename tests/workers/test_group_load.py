@@ -143,11 +143,15 @@ def test_queue_heads_rank_by_band_then_live_share_then_age_and_go_stale(tmp_path
     assert heads[0].ahead(0, 0.0, 9.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]  # older
     assert heads[0].ahead(0, 0.0, 6.0, since=9.0) == [(2, 0.0, 8.0)]  # this one waited longer
     assert heads[0].ahead(0, 1.0, 9.0, since=10.5) == []  # posted before `since`: stale
+    assert heads[0].posted_since(10.0) and not heads[0].posted_since(10.5)
+    assert heads[0].waiting(10.0) == [1, 2] and heads[0].waiting(10.5) == []
     heads[2].clear()
     assert heads[0].ahead(5, 1.0, 9.0, since=0.0) == [(1, key, 7.0)]
+    assert heads[1].posted_since(0.0) is False  # 2's was cleared, and its own does not count
     heads[1].close()
     restarted = QueueHeads(tmp_path / "h", 3, 1, counts[1])
     assert heads[0].ahead(5, 1.0, 9.0, since=0.0) == []  # restarted: none
+    assert not heads[0].posted_since(0.0) and heads[0].waiting(0.0) == []
     restarted.close()
 
 

@@ -209,8 +209,11 @@ class Dispatcher:
         """With sibling processes: room may have appeared (a request of this process ended)
         that nothing here waits for; those with requests waiting look at once rather than at
         their next SIBLING_POLL_S."""
-        if self.heads is not None and self._ring is not None:
-            for index in self.heads.waiting(self._clock() - HEAD_FRESH_S):
+        if self.heads is None or self._ring is None:
+            return
+        since = self._clock() - HEAD_FRESH_S
+        if self.heads.posted_since(since):
+            for index in self.heads.waiting(since):
                 self._ring(index)
 
     def _look_again(self) -> None:
@@ -263,6 +266,8 @@ class Dispatcher:
         if self.heads is None:
             return False
         now = self._clock()
+        if not self.heads.posted_since(now - HEAD_FRESH_S):
+            return False  # nothing waits elsewhere (the usual case): no share to read
         share = self.queue.share(ticket.tenant)
         ahead = self.heads.ahead(ticket.priority, share, ticket.enqueued_at, now - HEAD_FRESH_S)
         if not ahead:
