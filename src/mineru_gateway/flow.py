@@ -272,9 +272,11 @@ class FairQueue:
         for its weight (a tenant whose requests went straight to workers has used its turn)."""
         for name, tickets in band.queues.items():
             state = self._tenants[name]
-            if self._may_start(state.policy, state.in_flight):
+            policy = state.policy
+            everywhere = state.in_flight + self._others(name)[0]  # read once for both
+            if policy.max_in_flight is None or everywhere < policy.max_in_flight:
                 tag = max(band.clock, state.finish.get(priority, 0.0))
-                yield tag, self._share(state.policy, state.in_flight), tickets[0]
+                yield tag, everywhere / policy.weight, tickets[0]
 
     def pop(self, ticket: Ticket) -> None:
         """Takes `ticket` (the head of its tenant's queue, as `next` returned it) out for
@@ -348,10 +350,6 @@ class FairQueue:
         limit = policy.max_in_flight
         return limit is None or in_flight + self._others(policy.name)[0] < limit
 
-    def _share(self, policy: TenantPolicy, in_flight: int) -> float:
-        """The tenant's requests in flight (every process's) for its weight."""
-        return (in_flight + self._others(policy.name)[0]) / policy.weight
-
     def _forget_if_idle(self, state: _TenantState) -> None:
         """Bounded memory: an idle tenant with no fair-share position left is dropped."""
         if state.queued or state.in_flight or state.finish:
@@ -368,7 +366,7 @@ class FairQueue:
     def share(self, tenant: TenantPolicy) -> float:
         """The tenant's requests in flight, in every process, for its weight: how queue heads
         of different processes are ranked within a band (the smaller goes first)."""
-        return self._share(tenant, self.in_flight(tenant.name))
+        return (self.in_flight(tenant.name) + self._others(tenant.name)[0]) / tenant.weight
 
     def start_unqueued(self, tenant: TenantPolicy) -> None:
         """Counts a request dispatched at once, without queueing, against its tenant."""

@@ -211,10 +211,8 @@ class Dispatcher:
         their next SIBLING_POLL_S."""
         if self.heads is None or self._ring is None:
             return
-        since = self._clock() - HEAD_FRESH_S
-        if self.heads.posted_since(since):
-            for index in self.heads.waiting(since):
-                self._ring(index)
+        for index in self.heads.waiting(self._clock() - HEAD_FRESH_S):
+            self._ring(index)
 
     def _look_again(self) -> None:
         """With sibling processes (`serve --processes N`), room one of their requests leaves
@@ -266,10 +264,11 @@ class Dispatcher:
         if self.heads is None:
             return False
         now = self._clock()
-        if not self.heads.posted_since(now - HEAD_FRESH_S):
+        since = now - HEAD_FRESH_S
+        if not self.heads.posted_since(since):
             return False  # nothing waits elsewhere (the usual case): no share to read
         share = self.queue.share(ticket.tenant)
-        ahead = self.heads.ahead(ticket.priority, share, ticket.enqueued_at, now - HEAD_FRESH_S)
+        ahead = self.heads.ahead(ticket.priority, share, ticket.enqueued_at, since)
         if not ahead:
             return False
         models = {model_key(model) for view in roomy for model in view.models}

@@ -31,7 +31,6 @@ import hashlib
 import math
 import mmap
 import os
-from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +59,14 @@ def _mapped(path: Path, size: int) -> tuple[int, mmap.mmap]:
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
     return fd, mmap.mmap(fd, size)
+
+
+def _write(values: memoryview[float], at: int, figures: tuple[float, ...]) -> None:
+    """`figures` into `values` from `at`, item by item: a slice assignment needs a buffer built
+    first, twice the cost for a few figures."""
+    for figure in figures:
+        values[at] = figure
+        at += 1
 
 
 def table_size(processes: int, columns: int = COLUMNS, width: int = WIDTH) -> int:
@@ -137,10 +144,7 @@ class GroupLoad:
 
     def publish_row(self, column: int, figures: tuple[float, ...]) -> None:
         """This process's `width` figures in the column, now."""
-        at, values = self._own + self._width * column, self._values
-        for figure in figures:  # item by item: a slice needs a buffer built first (2x the cost)
-            values[at] = figure
-            at += 1
+        _write(self._values, self._own + self._width * column, figures)
 
     def total(self, column: int, figure: int) -> float:
         """Figure `figure` of the column summed over every process, this one included."""
@@ -291,9 +295,8 @@ class QueueHeads:
         """This process's head now: its tenant's `share` stands for it where the tenant has no
         column; `queued_at` tells one head from the next and orders equal shares."""
         column = -1 if self._tenants is None else self._tenants.column_of(tenant)
-        self._values[self._own : self._own + _HEAD_WIDTH] = array(
-            "d", (at, priority, share, model_key(model), queued_at, column, weight)
-        )
+        head = (at, priority, share, model_key(model), queued_at, column, weight)
+        _write(self._values, self._own, head)
 
     def clear(self) -> None:
         self._values[self._own] = -math.inf  # posted never
@@ -318,8 +321,11 @@ class QueueHeads:
 
     def waiting(self, since: float) -> list[int]:
         """The other processes with a head posted at `since` or later."""
-        values = self._values
-        return [index for index, at in self._others if values[at] >= since]
+        values, found = self._values, []
+        for index, at in self._others:
+            if values[at] >= since:
+                found.append(index)
+        return found
 
     def posted_since(self, since: float) -> bool:
         """Whether any other process has a head posted at `since` or later: asked on every
