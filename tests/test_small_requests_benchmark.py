@@ -30,7 +30,14 @@ from benchmarks.small_requests import (
     upstream,
     wrk_script,
 )
-from benchmarks.small_requests.__main__ import gateway_argv, groups, request_body, rotated
+from benchmarks.small_requests.__main__ import (
+    Bench,
+    gateway_argv,
+    groups,
+    parse_args,
+    request_body,
+    rotated,
+)
 from benchmarks.small_requests.upstream import answers, stream_parts
 from PIL import Image
 
@@ -203,6 +210,26 @@ def test_together_pairs_the_gateway_with_each_candidate() -> None:
     assert groups(args, 1) == [["gateway", "gateway@b"], ["gateway", "gateway@a"]]
     args.together = False
     assert groups(args, 0) == [["gateway"], ["gateway@a"], ["gateway@b"]]
+
+
+def test_a_candidate_arg_reaches_that_candidates_serve_command_only(tmp_path: Path) -> None:
+    args = parse_args(
+        [
+            *("--candidate", "info=/tmp/a", "--candidate", "plain=/tmp/b"),
+            *("--candidate-arg=info=--log-level=info", "--gateway-arg=--max-retries=1"),
+        ]
+    )
+    bench = Bench(args, Processes(tmp_path))
+    bench.upstreams = ["http://127.0.0.1:1"]
+    info, env, _ = bench._command("gateway@info", 8000)
+    plain, _, _ = bench._command("gateway@plain", 8000)
+    gateway, _, _ = bench._command("gateway", 8000)
+    assert info[-2:] == ["--max-retries=1", "--log-level=info"]  # after the default: it wins
+    assert "--log-level=info" not in plain + gateway
+    assert "--max-retries=1" in plain and "--max-retries=1" in gateway
+    assert env["PYTHONPATH"].startswith("/tmp/a/src")
+    with pytest.raises(SystemExit):
+        parse_args(["--candidate-arg=nobody=--log-level=info"])
 
 
 @pytest.mark.parametrize("mode", ["raw", "asgi"])

@@ -107,9 +107,11 @@ class Bench:
                 "/ready",
             )
         if name.startswith("gateway@"):
-            src = self.args.candidates[name.removeprefix("gateway@")]
+            candidate = name.removeprefix("gateway@")
+            src = self.args.candidates[candidate]
             env = {"PYTHONPATH": f"{src}/src:{Path.cwd()}"}
-            return gateway_argv(port, up, self.args.gateway_arg), env, "/ready"
+            extra = [*self.args.gateway_arg, *self.args.candidate_args.get(candidate, [])]
+            return gateway_argv(port, up, extra), env, "/ready"
         if name == "vllm-router":
             settings = fleet.RouterSettings(vllm_router_bin=fleet.find_vllm_router())
             return fleet.ROUTERS["vllm_router_rr"].argv(port, up, settings), {}, "/health"
@@ -233,6 +235,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR")
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra `serve` args")
     parser.add_argument(
+        "--candidate-arg",
+        action="append",
+        default=[],
+        metavar="NAME=ARG",
+        help="an extra `serve` arg for candidate NAME only (--candidate-arg=info=--log-level=info)",
+    )
+    parser.add_argument(
         "--together",
         action="store_true",
         help="load the gateway and each candidate at the same time (needs --candidate)",
@@ -264,6 +273,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.candidates = dict(item.split("=", 1) for item in args.candidate)
+    args.candidate_args = {}
+    for item in args.candidate_arg:
+        name, _, arg = item.partition("=")
+        if name not in args.candidates:
+            parser.error(f"--candidate-arg {item!r}: no --candidate named {name!r}")
+        args.candidate_args.setdefault(name, []).append(arg)
     args.proxies += [f"gateway@{name}" for name in args.candidates]
     return args
 
@@ -279,7 +294,11 @@ def notes(args: argparse.Namespace) -> list[str]:
         "floor-raw: benchmarks/small_requests/floors.py, relays with nothing but relaying over "
         "the gateway's own client (a raw ASGI app on uvicorn; an asyncio protocol over "
         "httptools).",
-        *(f"gateway@{name}: the gateway from {src}/src" for name, src in args.candidates.items()),
+        *(
+            f"gateway@{name}: the gateway from {src}/src"
+            + "".join(f" {arg}" for arg in args.candidate_args.get(name, []))
+            for name, src in args.candidates.items()
+        ),
         *([STREAM_NOTE] if args.stream_events else []),
     ]
 
@@ -333,6 +352,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
             "event_gap_ms": args.event_gap_ms,
             "proxies": args.proxies,
             "candidates": args.candidates,
+            "candidate_args": args.candidate_args,
             "together": args.together,
         },
         "versions": versions(args),
