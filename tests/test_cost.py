@@ -9,7 +9,13 @@ import zlib
 import pytest
 
 from mineru_gateway.cost import Cost, CostInputs, CostModel
-from mineru_gateway.prompts import PromptEstimate, PromptKind, estimate_chat, estimate_completion
+from mineru_gateway.prompts import (
+    Chat,
+    PromptEstimate,
+    PromptKind,
+    estimate_chat,
+    estimate_completion,
+)
 
 
 def png_data_url(width: int, height: int, padding: int = 0) -> str:
@@ -70,6 +76,39 @@ def test_malformed_content_is_estimated_without_failing(messages: list[object]) 
     estimate = estimate_chat(messages)
     assert estimate.tokens > 0
     assert not estimate.has_image
+
+
+def test_one_walk_keeps_texts_in_order_and_names_every_part() -> None:
+    image = {"type": "image_url", "image_url": {"url": png_data_url(56, 56)}}
+    messages = [
+        {"role": "system", "content": "Layout Detection:"},
+        {"role": "user", "content": [image, "not a part", {"type": "text", "text": "second"}]},
+        {"role": "user", "content": "Text Recognition:"},
+    ]
+    chat = Chat(messages)
+    assert chat.messages == 3
+    assert chat.texts == ["Layout Detection:", "second", "Text Recognition:"]
+    assert chat.parts == [(1, 0, image), (1, 2, {"type": "text", "text": "second"})]
+    assert chat.malformed is None
+    # The last marker in the prompt's order wins: a string content after a list content.
+    assert estimate_chat(chat) == estimate_chat(messages)
+    assert estimate_chat(chat).kind is PromptKind.TEXT
+    assert estimate_chat(chat).has_image
+
+
+@pytest.mark.parametrize(
+    ("messages", "malformed"),
+    [
+        ([{"role": "user"}, "text", {"content": "x"}], 1),
+        ([{"role": "user"}, {"content": "x"}, "text"], 1),
+        ([{"role": "user"}, {"role": 2}], 1),
+        ([{"role": "user"}, {"role": "assistant", "content": 3}], None),
+    ],
+)
+def test_the_walk_finds_the_first_message_without_a_string_role(
+    messages: list[object], malformed: int | None
+) -> None:
+    assert Chat(messages).malformed == malformed
 
 
 def test_completion_prompts() -> None:

@@ -179,12 +179,15 @@ def learn_cost(cost_model: CostModel, record: ExchangeRecord) -> None:
 
 
 def log_exchange(record: ExchangeRecord) -> None:
-    if not log.is_enabled_for(logging.INFO):
+    # The configured logger, as structlog's proxy hands it to `log.<method>`: reached through
+    # a failed attribute lookup and `__getattr__` that way, 0.7 us per call against 0.13.
+    logger = log.bind()
+    if not logger.is_enabled_for(logging.INFO):
         # `--log-level warning` drops the access log; building the event anyway (thirteen
         # fields, three roundings) cost 8% of a small request's CPU.
         return
     ttft = record.ttft_s
-    log.info(
+    logger.info(
         "request",
         request_id=record.request_id,
         model=record.model,

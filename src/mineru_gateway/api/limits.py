@@ -20,13 +20,14 @@ messages) far inside them; docs/request-limits.md says where each number comes f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mineru_gateway.api.media import URL_PARTS, param_of, url_of
 from mineru_gateway.errors import HeadersTooLarge, InvalidRequest
 from mineru_gateway.images import data_url_start, image_size
+from mineru_gateway.prompts import Chat, part_name
 
 IMAGE_PARTS = ("image_url", "input_image")
 MEDIA_PARTS = (*URL_PARTS, "input_audio")  # what vLLM may fetch, plus inline audio
@@ -65,8 +66,11 @@ class RequestLimits:
                 f"{self.max_header_bytes} (MINERU_GATEWAY_MAX_HEADER_BYTES)"
             )
 
-    def check_payload(self, payload: dict[str, Any], text: bytes | None = None) -> None:
-        """The parsed body: depth first (the other checks walk it), then counts and images.
+    def check_payload(
+        self, payload: dict[str, Any], text: bytes | None = None, chat: Chat | None = None
+    ) -> None:
+        """The parsed body: depth first (the other checks walk it), then counts and images
+        (from `chat`, its messages walked, when the caller has walked them already).
 
         `text`, the JSON the payload was parsed from, spares a small body the depth walk when
         it holds no more brackets than the depth limit: each level of nesting needs one
@@ -80,21 +84,22 @@ class RequestLimits:
             or text.count(b"[") + text.count(b"{") > self.max_json_depth
         ):
             _check_depth(payload, self.max_json_depth)
-        messages = payload.get("messages")
-        if isinstance(messages, list):
-            self._check_messages(messages)
+        if chat is None and isinstance(messages := payload.get("messages"), list):
+            chat = Chat(messages)
+        if chat is not None:
+            self._check_chat(chat)
         if self.max_tokens is not None:
             _check_max_tokens(payload, self.max_tokens)
 
-    def _check_messages(self, messages: list[Any]) -> None:
-        if len(messages) > self.max_messages:
+    def _check_chat(self, chat: Chat) -> None:
+        if chat.messages > self.max_messages:
             raise InvalidRequest(
-                f"the request has {len(messages)} messages; this gateway accepts at most "
+                f"the request has {chat.messages} messages; this gateway accepts at most "
                 f"{self.max_messages}",
                 param="messages",
                 code="too_many_messages",
             )
-        parts = list(_content_parts(messages))
+        parts = chat.parts
         if not parts:
             return  # text only (every content a string): no parts, no images
         if len(parts) > self.max_content_parts:
@@ -104,8 +109,14 @@ class RequestLimits:
                 param="messages",
                 code="too_many_content_parts",
             )
-        images = [(where, part) for where, part in parts if _kind(part) in IMAGE_PARTS]
-        media = sum(_kind(part) in MEDIA_PARTS for _, part in parts)
+        media = 0
+        images: list[tuple[str, Any]] = []
+        for message, number, part in parts:
+            kind = _kind(part)
+            if kind in MEDIA_PARTS:
+                media += 1
+                if kind in IMAGE_PARTS:
+                    images.append((part_name(message, number), part.get(kind)))
         if media > self.max_images:
             raise InvalidRequest(
                 f"the request carries {media} images or other media; this gateway accepts at "
@@ -113,12 +124,11 @@ class RequestLimits:
                 param="messages",
                 code="too_many_images",
             )
-        for where, part in images:
-            self._check_image(where, part)
+        for where, image in images:
+            self._check_image(where, image)
 
-    def _check_image(self, where: str, part: dict[str, Any]) -> None:
-        kind = _kind(part)
-        url = url_of(part.get(kind)) if kind is not None else None
+    def _check_image(self, where: str, image: Any) -> None:
+        url = url_of(image)
         if url is None or not url.startswith("data:"):
             return  # a fetched URL is the media policy's business (api/media.py)
         start = data_url_start(url)
@@ -182,15 +192,6 @@ def _check_depth(payload: Any, limit: int) -> None:
         else:
             continue
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-
-
-def _content_parts(messages: list[Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for index, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for number, part in enumerate(content):
-                if isinstance(part, dict):
-                    yield f"messages[{index}].content[{number}]", part
 
 
 def _kind(part: dict[str, Any]) -> str | None:

@@ -9,12 +9,12 @@ fetch it, addresses inside the operator's network included (SSRF). Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from mineru_gateway.errors import InvalidRequest
+from mineru_gateway.prompts import Chat, part_name
 
 MediaUrlPolicy = Literal["data", "allowlist", "any"]
 
@@ -40,35 +40,24 @@ class MediaPolicy:
             for entry in self.allowed
         )
 
-    def check_messages(self, messages: Sequence[Any]) -> None:
+    def check_chat(self, chat: Chat) -> None:
         """Raises InvalidRequest (400) naming the message and part of the first refused URL."""
         if self.mode == "any":
             return
-        for where, url in _media_urls(messages):
-            if not self.allows(url):
-                raise InvalidRequest(
-                    f"{where}: media URL {url[:80]!r} is not allowed: this gateway accepts "
-                    + (
-                        "inline data: URLs only (send the image base64-encoded)"
-                        if self.mode == "data"
-                        else "data: URLs and its allowlist only"
-                    ),
-                    param=param_of(where),
-                )
-
-
-def _media_urls(messages: Sequence[Any]) -> Iterator[tuple[str, str]]:
-    for index, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for number, part in enumerate(content):
-            if not isinstance(part, dict):
-                continue
+        for message, number, part in chat.parts:
             for kind in URL_PARTS:
                 url = url_of(part.get(kind))
-                if url is not None:
-                    yield f"messages[{index}].content[{number}].{kind}", url
+                if url is not None and not self.allows(url):
+                    where = f"{part_name(message, number)}.{kind}"
+                    raise InvalidRequest(
+                        f"{where}: media URL {url[:80]!r} is not allowed: this gateway accepts "
+                        + (
+                            "inline data: URLs only (send the image base64-encoded)"
+                            if self.mode == "data"
+                            else "data: URLs and its allowlist only"
+                        ),
+                        param=param_of(where),
+                    )
 
 
 def url_of(value: Any) -> str | None:

@@ -17,7 +17,7 @@ from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
-from mineru_gateway.prompts import estimate_chat, estimate_completion
+from mineru_gateway.prompts import Chat, estimate_chat, estimate_completion
 from mineru_gateway.values import value
 
 DATA_ONLY = MediaPolicy()
@@ -76,12 +76,18 @@ def parse_request(
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
-    limits.check_payload(payload, body)
     if endpoint == "chat":
-        messages = _check_messages(payload.get("messages"))
-        media.check_messages(messages)
-        prompt = estimate_chat(messages)
+        chat = _chat(payload.get("messages"))
+        limits.check_payload(payload, body, chat)
+        if chat.malformed is not None:
+            raise InvalidRequest(
+                f"`messages[{chat.malformed}]` must be an object with a string `role`",
+                param=f"messages.{chat.malformed}",
+            )
+        media.check_chat(chat)
+        prompt = estimate_chat(chat)
     else:
+        limits.check_payload(payload, body)
         _check_prompt(payload.get("prompt"))
         prompt = estimate_completion(payload.get("prompt"))
     model = payload.get("model")
@@ -140,16 +146,10 @@ def _max_tokens(payload: dict[str, Any]) -> int | None:
     return None
 
 
-def _check_messages(messages: Any) -> list[Any]:
+def _chat(messages: Any) -> Chat:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("`messages` must be a non-empty array", param="messages")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                f"`messages[{index}]` must be an object with a string `role`",
-                param=f"messages.{index}",
-            )
-    return messages
+    return Chat(messages)
 
 
 def _check_prompt(prompt: Any) -> None:

@@ -473,11 +473,13 @@ class Deadline:
     __slots__ = ("_fired", "_handle", "_task")
 
     def __init__(self, seconds: float) -> None:
-        task = asyncio.current_task()
+        # The loop once: on Python 3.11 each lookup of the running loop is a getpid() call.
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
         self._task = task
         self._fired = False
-        self._handle = asyncio.get_running_loop().call_later(max(0.0, seconds), self._fire)
+        self._handle = loop.call_later(max(0.0, seconds), self._fire)
 
     def _fire(self) -> None:
         self._fired = True
