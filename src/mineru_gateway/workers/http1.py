@@ -211,6 +211,9 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection to one worker; the httptools parser calls its `on_*`."""
 
     def __init__(self, pool: Http1Pool, slot: Slot) -> None:
+        # Made by the loop's create_connection; kept, since each lookup of the running loop is
+        # a getpid() system call on Python 3.11, and a request would make one more.
+        self._loop = asyncio.get_running_loop()
         self._pool = pool
         self.slot = slot
         self.transport: asyncio.Transport | None = None
@@ -226,7 +229,7 @@ class _Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes) -> asyncio.Future[Answer]:
         """Writes one whole request; the future has the answer once its headers are in."""
         assert self.transport is not None and self._head is None and self._answer is None
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self._loop.create_future()
         self._content_type, self._sized, self._head_bytes = b"", False, 0
         self._answer = Answer(self)
         if len(body) < ONE_WRITE:
