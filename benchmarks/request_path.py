@@ -14,6 +14,9 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
   shows (the figure to compare changes by; not a time).
 
 `--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
+`--floor` adds the same harness around relaying alone (`_floor`: the body read, a worker taken
+in turn, the gateway's client, the answer written through the link), so that the gateway's own
+work is its figure less the floor's.
 
     python -m benchmarks.request_path --instructions --candidate before=/tmp/base \\
         --out benchmarks/results/request_path.json
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import os
 import re
@@ -79,7 +83,9 @@ def _cycle() -> Any:
     )
 
 
-async def _run(upstreams: Sequence[str], requests: int, warmup: int) -> dict[str, Any]:
+async def _run(
+    upstreams: Sequence[str], requests: int, warmup: int, floor: bool = False
+) -> dict[str, Any]:
     from mineru_gateway.api.app import create_app
     from mineru_gateway.api.connection import EXTENSION, ClientLink
     from mineru_gateway.config import GatewaySettings
@@ -121,7 +127,7 @@ async def _run(upstreams: Sequence[str], requests: int, warmup: int) -> dict[str
             async def send(message: Any) -> None:
                 raise AssertionError("the link answers whole answers")
 
-            await app(scope, receive, send)
+            await (_floor(scope, receive) if floor else app(scope, receive, send))
             answered.append(int(cycle.response_complete))
 
         async def loop(count: int) -> None:
@@ -137,6 +143,29 @@ async def _run(upstreams: Sequence[str], requests: int, warmup: int) -> dict[str
         cpu, wall = time.process_time() - cpu, time.perf_counter() - started
     done = (requests // CONCURRENCY) * CONCURRENCY
     return {"requests": done, "cpu_s": cpu, "wall_s": wall, "answered": sum(answered)}
+
+
+_turn = itertools.count()
+
+
+async def _floor(scope: dict[str, Any], receive: Any) -> None:
+    """Relaying alone, with the gateway's own parts: its body reader, its client, its link."""
+    from mineru_gateway.api.connection import ClientLink
+    from mineru_gateway.api.context import gateway_context
+    from mineru_gateway.api.requests import read_body
+
+    context = gateway_context(scope)
+    link = ClientLink.of(scope)
+    assert link is not None
+    body = await read_body(receive, None, context.settings.max_body_bytes)
+    workers = context.registry.workers
+    url = workers[next(_turn) % len(workers)].url + CHAT
+    upstream = await context.client.post(url, body, {"Content-Type": "application/json"})
+    try:
+        answer = await upstream.read()
+    finally:
+        upstream.close()
+    await link.respond(upstream.status, [(b"content-type", b"application/json")], answer)
 
 
 async def _until_healthy(app: Any, state: Any) -> None:
@@ -157,8 +186,9 @@ def child(argv: Sequence[str]) -> None:
     parser.add_argument("--upstreams", required=True)
     parser.add_argument("--requests", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=1600)
+    parser.add_argument("--floor", action="store_true")
     args = parser.parse_args(argv)
-    result = uvloop.run(_run(args.upstreams.split(","), args.requests, args.warmup))
+    result = uvloop.run(_run(args.upstreams.split(","), args.requests, args.warmup, args.floor))
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
@@ -174,12 +204,13 @@ def upstreams() -> Iterator[list[str]]:
 
 
 def run_once(
-    source: Path, urls: Sequence[str], requests: int, *, instructions: bool
+    source: Path, urls: Sequence[str], requests: int, *, instructions: bool, floor: bool = False
 ) -> dict[str, Any]:
-    """One child run of the gateway from `source` (its `src`); with `instructions`, under
-    callgrind, whose total instruction count is added to the result."""
+    """One child run of the gateway from `source` (its `src`), or of the floor; with
+    `instructions`, under callgrind, whose total instruction count is added to the result."""
     argv = [sys.executable, "-m", "benchmarks.request_path", "--child"]
     argv += ["--upstreams", ",".join(urls), "--requests", str(requests)]
+    argv += ["--floor"] if floor else []
     if instructions:
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
     env = dict(os.environ, PYTHONPATH=f"{source / 'src'}{os.pathsep}{REPO}")
@@ -208,15 +239,16 @@ def per_request(short: dict[str, Any], long: dict[str, Any]) -> dict[str, float]
 
 
 def measure(
-    source: Path, urls: Sequence[str], requests: int, *, instructions: bool
+    source: Path, urls: Sequence[str], requests: int, *, instructions: bool, floor: bool = False
 ) -> dict[str, Any]:
     """CPU per request from two plain runs of ten times `requests` (seconds each: shorter ones
     are noise); with `instructions`, instructions per request from two more of `requests`
     under callgrind (50 times slower: their CPU figures mean nothing)."""
     plain = (CPU_RUNS * requests, 3 * CPU_RUNS * requests)
-    runs = [run_once(source, urls, n, instructions=False) for n in plain]
+    runs = [run_once(source, urls, n, instructions=False, floor=floor) for n in plain]
     if instructions:
-        runs += [run_once(source, urls, n, instructions=True) for n in (requests, 3 * requests)]
+        counted = (requests, 3 * requests)
+        runs += [run_once(source, urls, n, instructions=True, floor=floor) for n in counted]
     unanswered = [run for run in runs if run["answered"] != run["requests"]]
     if unanswered:
         raise RuntimeError(f"requests went unanswered: {unanswered}")
@@ -263,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--candidate", action="append", default=[], metavar="NAME=DIR")
     parser.add_argument("--requests", type=int, default=1600, help="short run; the long is 3x")
     parser.add_argument("--instructions", action="store_true", help="count with callgrind")
+    parser.add_argument("--floor", action="store_true", help="measure relaying alone too")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sources = {"gateway": REPO}
@@ -274,6 +307,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, source in sources.items():
             gateways[name] = measure(source, urls, args.requests, instructions=args.instructions)
             print(name, {k: v for k, v in gateways[name].items() if k != "runs"}, flush=True)
+        if args.floor:
+            gateways["floor"] = measure(
+                REPO, urls, args.requests, instructions=args.instructions, floor=True
+            )
+            print("floor", {k: v for k, v in gateways["floor"].items() if k != "runs"})
     results = {
         "command": "python -m benchmarks.request_path " + " ".join(argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

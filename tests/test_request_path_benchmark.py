@@ -25,6 +25,12 @@ def test_a_run_answers_every_request_through_the_gateway() -> None:
     assert figures["cpu_us_long_run"] > 0
 
 
+def test_the_floor_relays_every_request_through_the_gateways_client() -> None:
+    with upstreams() as urls:
+        floor = measure(REPO, urls, 16, instructions=False, floor=True)
+    assert [(run["requests"], run["answered"]) for run in floor["runs"]] == [(160, 160), (480, 480)]
+
+
 def test_figures_per_request_are_what_the_longer_run_added() -> None:
     short = {"requests": 100, "cpu_s": 1.0, "instructions": 5_000_000}
     long = {"requests": 300, "cpu_s": 1.4, "instructions": 9_000_000}

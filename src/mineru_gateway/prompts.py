@@ -30,7 +30,10 @@ MESSAGE_TOKENS = 5  # <|im_start|>, role, newline, <|im_end|>, newline
 GENERATION_PROMPT_TOKENS = 3  # <|im_start|>assistant newline
 
 
-class PromptKind(enum.Enum):
+class PromptKind(enum.StrEnum):
+    """A StrEnum for its hash, str's: a plain Enum member's is `Enum.__hash__`, a Python call,
+    and the cost model hashes a class key holding one about six times per request."""
+
     LAYOUT = "layout"
     TEXT = "text"
     TABLE = "table"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from mineru_gateway.api.media import URL_PARTS, param_of, url_of
@@ -59,7 +60,7 @@ class RequestLimits:
                 f"the request has {len(headers)} headers; this gateway accepts at most "
                 f"{self.max_headers} (MINERU_GATEWAY_MAX_HEADERS)"
             )
-        size = sum(len(name) + len(value) for name, value in headers)
+        size = sum(map(len, chain.from_iterable(headers)))  # no Python call per header
         if size > self.max_header_bytes:
             raise HeadersTooLarge(
                 f"the request's headers hold {size} bytes; this gateway accepts at most "
