@@ -14,9 +14,10 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
   shows (the figure to compare changes by; not a time).
 
 `--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
-`--floor` adds the same harness around relaying alone (`_floor`: the body read, a worker taken
-in turn, the gateway's client, the answer written through the link), so that the gateway's own
-work is its figure less the floor's.
+`--image-kb N` sends a page image of about N KB in every request instead (MinerU's page
+requests). `--floor` adds the same harness around relaying alone (`_floor`: the body read, a
+worker taken in turn, the gateway's client, the answer written through the link), so that the
+gateway's own work is its figure less the floor's.
 
     python -m benchmarks.request_path --instructions --candidate before=/tmp/base \\
         --out benchmarks/results/request_path.json
@@ -84,7 +85,7 @@ def _cycle() -> Any:
 
 
 async def _run(
-    upstreams: Sequence[str], requests: int, warmup: int, floor: bool = False
+    upstreams: Sequence[str], requests: int, warmup: int, floor: bool = False, image_kb: int = 0
 ) -> dict[str, Any]:
     from mineru_gateway.api.app import create_app
     from mineru_gateway.api.connection import EXTENSION, ClientLink
@@ -93,7 +94,7 @@ async def _run(
 
     configure_logging("warning", "json")
     app = create_app(GatewaySettings(workers=list(upstreams), log_level="warning"))
-    body = chat_body(MODEL)
+    body = chat_body(MODEL, image_kb=image_kb)
     headers = [
         (b"host", b"127.0.0.1"),
         (b"content-type", b"application/json"),
@@ -142,7 +143,13 @@ async def _run(
         await asyncio.gather(*(loop(requests // CONCURRENCY) for _ in range(CONCURRENCY)))
         cpu, wall = time.process_time() - cpu, time.perf_counter() - started
     done = (requests // CONCURRENCY) * CONCURRENCY
-    return {"requests": done, "cpu_s": cpu, "wall_s": wall, "answered": sum(answered)}
+    return {
+        "requests": done,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "answered": sum(answered),
+        "body_bytes": len(body),
+    }
 
 
 _turn = itertools.count()
@@ -187,8 +194,10 @@ def child(argv: Sequence[str]) -> None:
     parser.add_argument("--requests", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=1600)
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--image-kb", type=int, default=0)
     args = parser.parse_args(argv)
-    result = uvloop.run(_run(args.upstreams.split(","), args.requests, args.warmup, args.floor))
+    urls = args.upstreams.split(",")
+    result = uvloop.run(_run(urls, args.requests, args.warmup, args.floor, args.image_kb))
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
@@ -204,13 +213,18 @@ def upstreams() -> Iterator[list[str]]:
 
 
 def run_once(
-    source: Path, urls: Sequence[str], requests: int, *, instructions: bool, floor: bool = False
+    source: Path,
+    urls: Sequence[str],
+    requests: int,
+    *,
+    instructions: bool,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One child run of the gateway from `source` (its `src`), or of the floor; with
-    `instructions`, under callgrind, whose total instruction count is added to the result."""
+    """One child run of the gateway from `source` (its `src`), with the child's `extra`
+    arguments (`--floor`, `--image-kb N`); with `instructions`, under callgrind, whose total
+    instruction count is added to the result."""
     argv = [sys.executable, "-m", "benchmarks.request_path", "--child"]
-    argv += ["--upstreams", ",".join(urls), "--requests", str(requests)]
-    argv += ["--floor"] if floor else []
+    argv += ["--upstreams", ",".join(urls), "--requests", str(requests), *extra]
     if instructions:
         argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv]
     env = dict(os.environ, PYTHONPATH=f"{source / 'src'}{os.pathsep}{REPO}")
@@ -239,16 +253,21 @@ def per_request(short: dict[str, Any], long: dict[str, Any]) -> dict[str, float]
 
 
 def measure(
-    source: Path, urls: Sequence[str], requests: int, *, instructions: bool, floor: bool = False
+    source: Path,
+    urls: Sequence[str],
+    requests: int,
+    *,
+    instructions: bool,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     """CPU per request from two plain runs of ten times `requests` (seconds each: shorter ones
     are noise); with `instructions`, instructions per request from two more of `requests`
     under callgrind (50 times slower: their CPU figures mean nothing)."""
     plain = (CPU_RUNS * requests, 3 * CPU_RUNS * requests)
-    runs = [run_once(source, urls, n, instructions=False, floor=floor) for n in plain]
+    runs = [run_once(source, urls, n, instructions=False, extra=extra) for n in plain]
     if instructions:
         counted = (requests, 3 * requests)
-        runs += [run_once(source, urls, n, instructions=True, floor=floor) for n in counted]
+        runs += [run_once(source, urls, n, instructions=True, extra=extra) for n in counted]
     unanswered = [run for run in runs if run["answered"] != run["requests"]]
     if unanswered:
         raise RuntimeError(f"requests went unanswered: {unanswered}")
@@ -267,13 +286,14 @@ def markdown(results: dict[str, Any]) -> str:
     rows = results["gateways"]
     first = next(iter(rows.values()))
     lines = [
-        "# The gateway's own work per small request",
+        "# The gateway's own work per request",
         "",
         f"`{results['command']}` ({results['date']}, commit {results['commit']}).",
         "",
         "The gateway's app called in-process (no HTTP server on the client's side), 16 requests at"
-        " a time, against two instant upstreams through its own client; each figure is the"
-        " difference of two runs (benchmarks/request_path.py).",
+        f" a time, {results.get('body_bytes', 145):,}-byte bodies, against two instant upstreams"
+        " through its own client; each figure is the difference of two runs"
+        " (benchmarks/request_path.py).",
         "",
         "| gateway | instructions per request | against the first | CPU per request |",
         "|---|---|---|---|",
@@ -296,26 +316,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=1600, help="short run; the long is 3x")
     parser.add_argument("--instructions", action="store_true", help="count with callgrind")
     parser.add_argument("--floor", action="store_true", help="measure relaying alone too")
+    parser.add_argument("--image-kb", type=int, default=0, help="a page image of about this size")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sources = {"gateway": REPO}
     for candidate in args.candidate:
         name, _, directory = candidate.partition("=")
         sources[f"gateway@{name}"] = Path(directory).resolve()
+    extra = ["--image-kb", str(args.image_kb)] if args.image_kb else []
     gateways = {}
     with upstreams() as urls:
         for name, source in sources.items():
-            gateways[name] = measure(source, urls, args.requests, instructions=args.instructions)
+            gateways[name] = measure(
+                source, urls, args.requests, instructions=args.instructions, extra=extra
+            )
             print(name, {k: v for k, v in gateways[name].items() if k != "runs"}, flush=True)
         if args.floor:
             gateways["floor"] = measure(
-                REPO, urls, args.requests, instructions=args.instructions, floor=True
+                REPO, urls, args.requests, instructions=args.instructions, extra=[*extra, "--floor"]
             )
             print("floor", {k: v for k, v in gateways["floor"].items() if k != "runs"})
     results = {
         "command": "python -m benchmarks.request_path " + " ".join(argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
+        "body_bytes": len(chat_body(MODEL, image_kb=args.image_kb)),
         "gateways": gateways,
     }
     print(markdown(results))

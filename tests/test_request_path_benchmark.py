@@ -27,8 +27,15 @@ def test_a_run_answers_every_request_through_the_gateway() -> None:
 
 def test_the_floor_relays_every_request_through_the_gateways_client() -> None:
     with upstreams() as urls:
-        floor = measure(REPO, urls, 16, instructions=False, floor=True)
+        floor = measure(REPO, urls, 16, instructions=False, extra=["--floor"])
     assert [(run["requests"], run["answered"]) for run in floor["runs"]] == [(160, 160), (480, 480)]
+
+
+def test_page_image_requests_are_answered_too() -> None:
+    with upstreams() as urls:
+        figures = measure(REPO, urls, 16, instructions=False, extra=["--image-kb", "64"])
+    assert [run["answered"] for run in figures["runs"]] == [160, 480]
+    assert all(64_000 < run["body_bytes"] < 100_000 for run in figures["runs"])  # base64: 4/3
 
 
 def test_figures_per_request_are_what_the_longer_run_added() -> None:
@@ -53,11 +60,13 @@ def test_the_table_compares_instructions_against_the_first_gateway() -> None:
             "command": "python -m benchmarks.request_path --instructions",
             "date": "2026-12-03T00:00:00Z",
             "commit": "abc",
+            "body_bytes": 410_381,
             "gateways": {
                 "gateway": {"instructions": 400_000.0, "cpu_us": 100.0},
                 "gateway@before": {"instructions": 500_000.0, "cpu_us": 130.0},
             },
         }
     )
+    assert "410,381-byte bodies" in table
     assert "| gateway | 400,000 | 1.00x | 100 us |" in table
     assert "| gateway@before | 500,000 | 1.25x | 130 us |" in table

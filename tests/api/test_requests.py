@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from benchmarks.small_requests import chat_body
 
 from mineru_gateway.api.requests import ClientDisconnected, parse_request, read_body
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
@@ -93,6 +94,14 @@ def test_a_chat_request_keeps_its_bytes_and_yields_what_routing_needs() -> None:
     assert parsed.cost.prompt == estimate_chat(MESSAGES)
     assert parsed.cost.prompt.kind is PromptKind.TEXT
     assert (parsed.cost.max_tokens, parsed.cost.ignore_eos) == (40, True)
+
+
+def test_a_page_image_request_costs_what_its_parsed_messages_cost() -> None:
+    raw = chat_body("m", image_kb=300)  # MinerU's page request: its URL is parsed apart
+    parsed = parse_request("chat", raw)
+    assert parsed.body is raw
+    assert parsed.cost.prompt == estimate_chat(orjson.loads(raw)["messages"])
+    assert parsed.cost.prompt.has_image and parsed.cost.prompt.tokens > 100  # the image read
 
 
 def test_a_completion_request_without_model_or_stream_has_their_defaults() -> None:

@@ -15,6 +15,7 @@ import orjson
 
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
+from mineru_gateway.api.payload import loads
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import Chat, estimate_chat, estimate_completion
@@ -71,7 +72,7 @@ def parse_request(
     limits: RequestLimits = DEFAULT_LIMITS,
 ) -> ParsedRequest:
     try:
-        payload = orjson.loads(body)
+        payload = loads(body)  # orjson's, without making its page images strings twice
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
@@ -130,7 +131,7 @@ def forward_priority(request: ParsedRequest, priority: int, pass_priority: bool)
     current = request.priority if request.priority != 0 else None
     if wanted == current:
         return request
-    payload = orjson.loads(request.body)
+    payload = loads(request.body)
     if wanted is None:
         payload.pop("priority", None)
     else:
