@@ -17,7 +17,6 @@ import bisect
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -28,9 +27,6 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from mineru_gateway import __version__
-
-if TYPE_CHECKING:
-    from mineru_gateway.api.accounting import Ledger, LedgerKey
 
 # 5 ms to 10 minutes: TTFT ranges from milliseconds to a full queue, E2E to MinerU's 600 s timeout.
 LATENCY_BUCKETS = (
@@ -132,10 +128,7 @@ class WorkerGauges:
 
 @dataclass
 class GatewayMetrics:
-    """Every metric the gateway records itself; built per app, exported by `GatewayCollector`.
-    `ledgers` holds, per kind of finished exchange, the series it counts in (api/accounting.py)."""
-
-    ledgers: dict[LedgerKey, Ledger] = field(default_factory=dict, repr=False, compare=False)
+    """Every metric the gateway records itself; built per app, exported by `GatewayCollector`."""
 
     requests: Counter = field(
         default_factory=lambda: Counter(

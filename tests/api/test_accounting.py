@@ -12,11 +12,10 @@ from structlog.testing import LogCapture, capture_logs
 
 from mineru_gateway.api.accounting import (
     CLIENT_CLOSED,
+    Accounting,
     ExchangeRecord,
-    account,
     learn_cost,
     log_exchange,
-    record_metrics,
 )
 from mineru_gateway.cost import CostInputs, CostModel
 from mineru_gateway.metrics import Counter, GatewayMetrics, Histogram
@@ -54,12 +53,13 @@ def samples(metric: Counter | Histogram) -> dict[tuple[str, tuple[str, ...]], fl
     return {(s.name, tuple(s.labels.values())): s.value for s in family.samples}
 
 
-# -- record_metrics ----------------------------------------------------------------------------
+# -- Accounting.record_metrics ------------------------------------------------------------------
 
 
 def test_a_streamed_answer_counts_its_request_latencies_and_tokens() -> None:
     metrics = GatewayMetrics()
-    record_metrics(metrics, STREAMED)
+    accounting = Accounting(metrics, CostModel())
+    accounting.record_metrics(STREAMED)
     assert samples(metrics.requests) == {
         ("mineru_gateway_requests_total", ("chat", "m", WORKER, "200", "ok")): 1.0
     }
@@ -82,7 +82,8 @@ def test_a_failed_exchange_counts_as_a_request_only() -> None:
         completion_tokens=0, prompt_tokens=None,
     )  # fmt: skip
     metrics = GatewayMetrics()
-    record_metrics(metrics, failed)
+    accounting = Accounting(metrics, CostModel())
+    accounting.record_metrics(failed)
     assert samples(metrics.requests) == {
         ("mineru_gateway_requests_total", ("chat", "m", WORKER, "504", "upstream_timeout")): 1.0
     }
@@ -93,7 +94,8 @@ def test_a_failed_exchange_counts_as_a_request_only() -> None:
 def test_a_client_that_left_before_any_status_is_counted_as_499_without_a_worker() -> None:
     gone = ExchangeRecord("r2", "completions", "client_disconnected", received=1.0, ended=1.2)
     metrics = GatewayMetrics()
-    record_metrics(metrics, gone)
+    accounting = Accounting(metrics, CostModel())
+    accounting.record_metrics(gone)
     labels = ("completions", "", "", str(CLIENT_CLOSED), "client_disconnected")
     assert samples(metrics.requests) == {("mineru_gateway_requests_total", labels): 1.0}
 
@@ -101,7 +103,8 @@ def test_a_client_that_left_before_any_status_is_counted_as_499_without_a_worker
 def test_an_unknown_model_stays_out_of_the_labels() -> None:
     unknown = replace(STREAMED, model="no-such-model", outcome="model_not_found", status=404)
     metrics = GatewayMetrics()
-    record_metrics(metrics, unknown)
+    accounting = Accounting(metrics, CostModel())
+    accounting.record_metrics(unknown)
     [(_, labels)] = samples(metrics.requests)
     assert labels == ("chat", "", WORKER, "404", "model_not_found")
 
@@ -109,7 +112,8 @@ def test_an_unknown_model_stays_out_of_the_labels() -> None:
 def test_a_streamed_error_event_after_headers_keeps_its_ttft_but_no_e2e() -> None:
     cut = replace(STREAMED, outcome="upstream_error", finished=11.0)  # status 200 was sent
     metrics = GatewayMetrics()
-    record_metrics(metrics, cut)
+    accounting = Accounting(metrics, CostModel())
+    accounting.record_metrics(cut)
     assert ("mineru_gateway_time_to_first_token_seconds_count", ("m", WORKER)) in samples(
         metrics.ttft
     )
@@ -118,11 +122,12 @@ def test_a_streamed_error_event_after_headers_keeps_its_ttft_but_no_e2e() -> Non
 
 def test_a_tenants_exchanges_count_in_its_series_and_each_kind_in_its_own() -> None:
     metrics = GatewayMetrics()
+    accounting = Accounting(metrics, CostModel())
     mine = replace(STREAMED, tenant="team", queued_s=0.25)
-    record_metrics(metrics, mine)
-    record_metrics(metrics, replace(mine, completion_tokens=30, prompt_tokens=None))
+    accounting.record_metrics(mine)
+    accounting.record_metrics(replace(mine, completion_tokens=30, prompt_tokens=None))
     refused = ExchangeRecord("r3", "chat", "tenant_queue_full", 1.0, 1.1, tenant="team", status=429)
-    record_metrics(metrics, refused)
+    accounting.record_metrics(refused)
     assert samples(metrics.requests) == {
         ("mineru_gateway_requests_total", ("chat", "m", WORKER, "200", "ok")): 2.0,
         ("mineru_gateway_requests_total", ("chat", "", "", "429", "tenant_queue_full")): 1.0,
@@ -150,18 +155,19 @@ def test_a_tenants_exchanges_count_in_its_series_and_each_kind_in_its_own() -> N
 
 def test_a_series_appears_at_its_first_count_not_at_its_kinds_first_exchange() -> None:
     metrics = GatewayMetrics()
+    accounting = Accounting(metrics, CostModel())
     bare = replace(STREAMED, streaming=False, first_chunk=None, prompt_tokens=None)
-    record_metrics(metrics, replace(bare, completion_tokens=0))
+    accounting.record_metrics(replace(bare, completion_tokens=0))
     assert samples(metrics.prompt_tokens) == samples(metrics.completion_tokens) == {}
     assert samples(metrics.ttft) == samples(metrics.tenant_tokens) == {}
-    record_metrics(metrics, replace(bare, completion_tokens=5, prompt_tokens=9))  # same kind
+    accounting.record_metrics(replace(bare, completion_tokens=5, prompt_tokens=9))  # same kind
     assert samples(metrics.prompt_tokens) == {
         ("mineru_gateway_prompt_tokens_total", ("m", WORKER)): 9.0
     }
     assert samples(metrics.completion_tokens) == {
         ("mineru_gateway_completion_tokens_total", ("m", WORKER)): 5.0
     }
-    assert len(metrics.ledgers) == 1
+    assert accounting.kinds == 1
 
 
 # -- learn_cost --------------------------------------------------------------------------------
@@ -232,7 +238,7 @@ def test_the_access_log_follows_the_log_level() -> None:
 def test_account_does_all_three() -> None:
     metrics, model = GatewayMetrics(), CostModel()
     with capture_logs() as logs:
-        account(metrics, model, STREAMED)
+        Accounting(metrics, model).account(STREAMED)
     assert [line["request_id"] for line in logs] == ["r1"]
     assert sum(samples(metrics.requests).values()) == 1
     assert model.classes() == 1

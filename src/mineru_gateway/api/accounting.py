@@ -75,21 +75,42 @@ FLOW_REJECTIONS = frozenset(
 )
 
 
-def record_metrics(metrics: GatewayMetrics, record: ExchangeRecord) -> None:
-    model = record.model_label
-    key = (record.endpoint, model, record.worker, record.status, record.outcome, record.tenant)
-    ledger = metrics.ledgers.get(key)
-    if ledger is None:
-        ledger = metrics.ledgers[key] = Ledger(metrics, record)
-    ledger.count(record)
-
-
 LedgerKey = tuple[str, str, str | None, int | None, str, str]
+
+
+class Accounting:
+    """What finished exchanges leave behind: metrics, counted through a ledger per kind of
+    exchange, the cost model's lesson, and the access log. One per app (`GatewayContext`)."""
+
+    __slots__ = ("_ledgers", "cost_model", "metrics")
+
+    def __init__(self, metrics: GatewayMetrics, cost_model: CostModel) -> None:
+        self.metrics = metrics
+        self.cost_model = cost_model
+        self._ledgers: dict[LedgerKey, Ledger] = {}
+
+    def account(self, record: ExchangeRecord) -> None:
+        self.record_metrics(record)
+        learn_cost(self.cost_model, record)
+        log_exchange(record)
+
+    def record_metrics(self, record: ExchangeRecord) -> None:
+        model = record.model_label
+        key = (record.endpoint, model, record.worker, record.status, record.outcome, record.tenant)
+        ledger = self._ledgers.get(key)
+        if ledger is None:
+            ledger = self._ledgers[key] = Ledger(self.metrics, record)
+        ledger.count(record)
+
+    @property
+    def kinds(self) -> int:
+        """Kinds of exchange met so far (one ledger each)."""
+        return len(self._ledgers)
 
 
 class Ledger:
     """The series one kind of finished exchange counts in: its endpoint, model, worker, status,
-    outcome and tenant. Found once per kind (`GatewayMetrics.ledgers`), each exchange then adds to
+    outcome and tenant. Found once per kind (`Accounting`), each exchange then adds to
     them without building their label tuples or looking them up, about ten per exchange
     (accounting was 14% of the gateway's own instructions per small request:
     docs/proxy-costs.md). Series that only some exchanges of a kind count in (latencies,
@@ -202,9 +223,3 @@ def log_exchange(record: ExchangeRecord) -> None:
         latency_ms=round((record.ended - record.received) * 1000, 2),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
     )
-
-
-def account(metrics: GatewayMetrics, cost_model: CostModel, record: ExchangeRecord) -> None:
-    record_metrics(metrics, record)
-    learn_cost(cost_model, record)
-    log_exchange(record)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mineru_gateway import __version__
+from mineru_gateway.api.accounting import Accounting
 from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
 from mineru_gateway.api.limits import RequestLimits
@@ -141,6 +142,7 @@ def build_context(
         tenants=TenantDirectory(settings),
         cost_model=cost_model,
         metrics=metrics,
+        accounting=Accounting(metrics, cost_model),
         media=MediaPolicy(settings.media_urls, tuple(settings.media_allowlist)),
         limits=request_limits(settings),
         priority_header=settings.priority_header.lower().encode("latin-1"),

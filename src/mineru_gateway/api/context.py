@@ -11,6 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from mineru_gateway.api.accounting import Accounting
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.tenants import TenantDirectory
@@ -66,6 +67,7 @@ class GatewayContext:
     tenants: TenantDirectory
     cost_model: CostModel
     metrics: GatewayMetrics
+    accounting: Accounting  # writes both, for every finished exchange
     media: MediaPolicy = field(default_factory=MediaPolicy)
     limits: RequestLimits = field(default_factory=RequestLimits)
     priority_header: bytes = b"x-priority"  # lower-cased, as ASGI gives header names

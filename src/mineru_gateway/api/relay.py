@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 import structlog
 
-from mineru_gateway.api.accounting import ExchangeRecord, account
+from mineru_gateway.api.accounting import ExchangeRecord
 from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.api.connection import ClientLink, DirectSink
 from mineru_gateway.api.context import GatewayContext, gateway_context
@@ -297,7 +297,7 @@ class Relay:
             log.exception("unhandled_error", request_id=exchange.request_id, path=self.path)
             await exchange.fail(GatewayError("internal gateway error"))
         finally:
-            account(context.metrics, context.cost_model, exchange.record(request, outcome))
+            context.accounting.account(exchange.record(request, outcome))
 
     async def _proxy(
         self,
