@@ -119,13 +119,14 @@ class Chat:
     gateway's limits, media policy and shape check): their texts in order, from string contents
     and text parts, and their content parts. Lenient: what is not a message or a part is skipped.
 
-    One walk instead of one per reader: four walks, each with its own generator and labels per
-    part, were a tenth of a small request's instructions (docs/proxy-costs.md)."""
+    One walk instead of one per reader: there were four, each with its own generator and a
+    label per part, and parsing was a tenth of a small request's instructions
+    (docs/proxy-costs.md, "One walk over the messages")."""
 
     __slots__ = ("malformed", "messages", "parts", "texts")
 
     def __init__(self, messages: list[Any]) -> None:
-        self.messages = len(messages)
+        self.messages = len(messages)  # how many
         self.texts: list[str] = []
         self.parts: list[tuple[int, int, dict[str, Any]]] = []  # (message, part number, part)
         self.malformed: int | None = None  # the first message that is no object with a role

@@ -72,7 +72,7 @@ def parse_request(
     limits: RequestLimits = DEFAULT_LIMITS,
 ) -> ParsedRequest:
     try:
-        payload = loads(body)  # orjson's, without making its page images strings twice
+        payload = loads(body)  # orjson's result, page images kept out of the parse
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
