@@ -14,6 +14,7 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
   shows (the figure to compare changes by; not a time).
 
 `--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
+`--workers N` starts N upstreams instead of 2 (routing's work grows with the workers).
 `--image-kb N` sends a page image of about N KB in every request instead (MinerU's page
 requests). `--floor` adds the same harness around relaying alone (`_floor`: the body read, a
 worker taken in turn, the gateway's client, the answer written through the link), so that the
@@ -203,11 +204,11 @@ def child(argv: Sequence[str]) -> None:
 
 # -- the parent: upstreams, runs, differences ------------------------------------------------
 @contextlib.contextmanager
-def upstreams() -> Iterator[list[str]]:
-    """Two of `benchmarks.small_requests`' instant upstreams, stopped on exit."""
+def upstreams(count: int = 2) -> Iterator[list[str]]:
+    """`count` of `benchmarks.small_requests`' instant upstreams, stopped on exit."""
     procs = Processes(Path(tempfile.mkdtemp(prefix="request-path-bench-")))
     try:
-        yield [url for url, _ in upstream.start(procs, MODEL)]
+        yield [url for url, _ in upstream.start(procs, MODEL, count)]
     finally:
         procs.stop_all()
 
@@ -291,7 +292,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"`{results['command']}` ({results['date']}, commit {results['commit']}).",
         "",
         "The gateway's app called in-process (no HTTP server on the client's side), 16 requests at"
-        f" a time, {results.get('body_bytes', 145):,}-byte bodies, against two instant upstreams"
+        f" a time, {results.get('body_bytes', 145):,}-byte bodies, against"
+        f" {results.get('workers', 2)} instant upstreams"
         " through its own client; each figure is the difference of two runs"
         " (benchmarks/request_path.py).",
         "",
@@ -317,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--instructions", action="store_true", help="count with callgrind")
     parser.add_argument("--floor", action="store_true", help="measure relaying alone too")
     parser.add_argument("--image-kb", type=int, default=0, help="a page image of about this size")
+    parser.add_argument("--workers", type=int, default=2, help="upstreams (an Atlas box has 8)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sources = {"gateway": REPO}
@@ -325,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sources[f"gateway@{name}"] = Path(directory).resolve()
     extra = ["--image-kb", str(args.image_kb)] if args.image_kb else []
     gateways = {}
-    with upstreams() as urls:
+    with upstreams(args.workers) as urls:
         for name, source in sources.items():
             gateways[name] = measure(
                 source, urls, args.requests, instructions=args.instructions, extra=extra
@@ -341,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
         "body_bytes": len(chat_body(MODEL, image_kb=args.image_kb)),
+        "workers": args.workers,
         "gateways": gateways,
     }
     print(markdown(results))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -102,6 +103,13 @@ def fresh(waiting: float = 0, running: float = 0, kv: float = 0.0, own: int = 0)
 
 def stale(waiting: float = 0, running: float = 0, kv: float = 0.0) -> ReportedLoad:
     return ReportedLoad(waiting, running, kv, age_s=5.0, own_at_scrape=0)
+
+
+def test_a_readings_external_load_is_what_the_worker_has_beyond_this_gateways_own() -> None:
+    assert fresh(waiting=2, running=3, own=4).external == 1
+    assert fresh(waiting=0, running=1, own=5).external == 0  # our count is ahead of its reading
+    assert replace(fresh(waiting=2, running=3, own=4), own_at_scrape=0).external == 5
+    assert fresh(waiting=2, running=3, own=4) == fresh(waiting=2, running=3, own=4)
 
 
 @pytest.mark.parametrize(

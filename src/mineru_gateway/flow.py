@@ -80,7 +80,8 @@ class RoomPolicy:
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
         batch, headroom = self.limit(view)
-        return view.in_flight + _external(reported) < batch + headroom
+        external = 0.0 if reported is None else reported.external
+        return view.in_flight + external < batch + headroom
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]

@@ -43,12 +43,14 @@ class ReportedLoad:
     kv_usage: float
     age_s: float
     own_at_scrape: int  # this gateway's requests on the worker when it was scraped (read_load)
+    # Requests the worker reported beyond this gateway's own (other gateways', direct ones):
+    # what routing and flow control count as load someone else put there. Worked out once per
+    # reading: routing and the room check read it for every worker on every request.
+    external: float = field(init=False)
 
-    @property
-    def external(self) -> float:
-        """Requests the worker reported beyond this gateway's own (other gateways', direct
-        ones): what routing and flow control count as load someone else put there."""
-        return max(0.0, self.running + self.waiting - self.own_at_scrape)
+    def __post_init__(self) -> None:
+        external = max(0.0, self.running + self.waiting - self.own_at_scrape)
+        object.__setattr__(self, "external", external)  # frozen, as far as mypy knows
 
 
 @value  # immutable (to mypy), and cheap to build: one per worker that changed, per request

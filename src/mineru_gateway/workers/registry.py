@@ -171,8 +171,12 @@ class Worker:
         they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
         until then "fresh" is the right answer, from then on "stale".
         """
-        scrape, built, routable = self.scrape, self._view, self.routable
-        in_flight, cost = self.gateway_load()
+        # `routable` and `gateway_load()` inline: this runs for every worker on every request.
+        scrape, built, routable = self.scrape, self._view, self.healthy and not self.draining
+        if self.shared is None:
+            in_flight, cost = self.in_flight, self.own_cost
+        else:
+            in_flight, cost = self.gateway_load()
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
