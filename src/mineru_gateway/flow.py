@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
+from mineru_gateway.routing import LoadModel, WorkerView
 
 # -- room on workers ----------------------------------------------------------------------------
 
@@ -71,7 +71,8 @@ class RoomPolicy:
 
     def occupied(self, view: WorkerView) -> float:
         """This gateway's requests on the worker plus those it reports beyond them."""
-        return view.in_flight + _external(self.load.fresh(view))
+        reported = self.load.fresh(view)
+        return view.in_flight + (0.0 if reported is None else reported.external)
 
     def has_room(self, view: WorkerView) -> bool:
         if not view.healthy:
@@ -80,8 +81,7 @@ class RoomPolicy:
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
         batch, headroom = self.limit(view)
-        external = 0.0 if reported is None else reported.external
-        return view.in_flight + external < batch + headroom
+        return view.in_flight + (0.0 if reported is None else reported.external) < batch + headroom
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
@@ -93,10 +93,6 @@ class RoomPolicy:
             batch, headroom = self.limit(view)
             total += max(1, math.ceil(batch + headroom - self.occupied(view)))
         return total
-
-
-def _external(reported: ReportedLoad | None) -> float:
-    return 0.0 if reported is None else reported.external
 
 
 # -- tenants and tickets ------------------------------------------------------------------------
