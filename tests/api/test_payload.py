@@ -42,6 +42,22 @@ def test_a_mineru_page_request_parses_as_orjson_parses_it() -> None:
     assert type(url) is str and url.startswith("data:image/png;base64,") and len(url) > 300_000
 
 
+def test_a_page_requests_image_never_reaches_the_json_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[int] = []
+    parse = orjson.loads
+
+    def counted(data: bytes) -> Any:
+        parsed.append(len(data))
+        return parse(data)
+
+    monkeypatch.setattr(payload.orjson, "loads", counted)
+    body = chat_body("m", image_kb=300)
+    assert len(loads(body)["messages"][0]["content"][0]["image_url"]["url"]) > 300_000
+    assert len(parsed) == 1 and parsed[0] < 1000  # the JSON around the image, once
+
+
 @pytest.mark.parametrize(
     "document",
     [
