@@ -145,8 +145,11 @@ class Worker:
 
     def gateway_load(self) -> tuple[int, float]:
         """The gateway's requests on the worker and their cost: this process's and its
-        siblings'."""
-        count, cost = self.siblings_load()
+        siblings'. Asked for every worker on every request (`view`): one call, with no
+        siblings to add for a gateway of one process."""
+        if self.shared is None:
+            return self.in_flight, self.own_cost
+        count, cost = self.shared.others()
         return self.in_flight + count, self.own_cost + cost
 
     @property
@@ -171,12 +174,8 @@ class Worker:
         they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
         until then "fresh" is the right answer, from then on "stale".
         """
-        # `routable` and `gateway_load()` inline: this runs for every worker on every request.
-        scrape, built, routable = self.scrape, self._view, self.healthy and not self.draining
-        if self.shared is None:
-            in_flight, cost = self.in_flight, self.own_cost
-        else:
-            in_flight, cost = self.gateway_load()
+        scrape, built, routable = self.scrape, self._view, self.routable
+        in_flight, cost = self.gateway_load()
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
