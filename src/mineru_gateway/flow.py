@@ -183,6 +183,12 @@ class _Band:
     queues: dict[str, deque[Ticket]] = field(default_factory=dict)
 
 
+def _may_start(policy: TenantPolicy, everywhere: int) -> bool:
+    """Under the tenant's in-flight limit, counting its requests in every process."""
+    limit = policy.max_in_flight
+    return limit is None or everywhere < limit
+
+
 class FairQueue:
     """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
 
@@ -269,11 +275,10 @@ class FairQueue:
         for its weight (a tenant whose requests went straight to workers has used its turn)."""
         for name, tickets in band.queues.items():
             state = self._tenants[name]
-            policy = state.policy
             everywhere = state.in_flight + self._others(name)[0]  # read once for both
-            if policy.max_in_flight is None or everywhere < policy.max_in_flight:
+            if _may_start(state.policy, everywhere):
                 tag = max(band.clock, state.finish.get(priority, 0.0))
-                yield tag, everywhere / policy.weight, tickets[0]
+                yield tag, everywhere / state.policy.weight, tickets[0]
 
     def pop(self, ticket: Ticket) -> None:
         """Takes `ticket` (the head of its tenant's queue, as `next` returned it) out for
@@ -343,10 +348,6 @@ class FairQueue:
     def _others(self, tenant: str) -> tuple[int, int, int]:
         return (0, 0, 0) if self._elsewhere is None else self._elsewhere.others(tenant)
 
-    def _may_start(self, policy: TenantPolicy, in_flight: int) -> bool:
-        limit = policy.max_in_flight
-        return limit is None or in_flight + self._others(policy.name)[0] < limit
-
     def _forget_if_idle(self, state: _TenantState) -> None:
         """Bounded memory: an idle tenant with no fair-share position left is dropped."""
         if state.queued or state.in_flight or state.finish:
@@ -358,7 +359,7 @@ class FairQueue:
         return state.in_flight if state else 0
 
     def may_start(self, tenant: TenantPolicy) -> bool:
-        return self._may_start(tenant, self.in_flight(tenant.name))
+        return _may_start(tenant, self.in_flight(tenant.name) + self._others(tenant.name)[0])
 
     def share(self, tenant: TenantPolicy) -> float:
         """The tenant's requests in flight, in every process, for its weight: how queue heads
