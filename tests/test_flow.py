@@ -18,7 +18,7 @@ from mineru_gateway.flow import (
     TenantPolicy,
     Ticket,
 )
-from mineru_gateway.routing import ReportedLoad, WorkerView
+from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants
 
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
@@ -274,6 +274,7 @@ def _view(
     age_s: float = 0.1,
 ) -> WorkerView:
     reported = None if waiting is None else ReportedLoad(waiting, running, kv, age_s, own_at_scrape)
+    reported = LoadModel().fresh(reported)  # as the registry builds views
     return WorkerView(
         "w", healthy=healthy, in_flight=in_flight, reported=reported, batch_limit=batch
     )
@@ -297,6 +298,22 @@ def _view(
 )
 def test_room_on_a_worker(view: WorkerView, room: bool) -> None:
     assert RoomPolicy().has_room(view) is room
+
+
+def test_one_policy_gives_each_batch_size_its_own_capacity() -> None:
+    # The capacity of each batch size is kept: workers with other sizes must not share it.
+    policy = RoomPolicy(headroom=0.5)
+    sizes = [10, None, 10, 100, None, 3]
+    assert [policy.capacity(_view(0, batch=size)) for size in sizes] == [15, 384, 15, 150, 384, 5]
+    assert [policy.has_room(_view(14, batch=10)), policy.has_room(_view(15, batch=10))] == [
+        True,
+        False,
+    ]
+    assert policy.has_room(_view(149, batch=100)) and not policy.has_room(_view(150, batch=100))
+    # free room: each worker's capacity less what it holds, at least one
+    assert (
+        policy.free([_view(10, batch=10), _view(0, batch=100), _view(20, batch=10)]) == 5 + 150 + 1
+    )
 
 
 def test_drain_rate_reads_the_pace_of_dispatches_in_its_window() -> None:

@@ -94,6 +94,8 @@ def loaded(
     slowness: float = 1.0,
     healthy: bool = True,
 ) -> WorkerView:
+    """A view as the registry builds one: its reading only while fresh (`LoadModel.fresh`)."""
+    reported = LoadModel().fresh(reported)
     return WorkerView(name, healthy, 0, M, own_cost=own_cost, reported=reported, slowness=slowness)
 
 
@@ -103,6 +105,16 @@ def fresh(waiting: float = 0, running: float = 0, kv: float = 0.0, own: int = 0)
 
 def stale(waiting: float = 0, running: float = 0, kv: float = 0.0) -> ReportedLoad:
     return ReportedLoad(waiting, running, kv, age_s=5.0, own_at_scrape=0)
+
+
+def test_a_reading_is_routed_on_until_it_is_older_than_stale_after_s() -> None:
+    model = LoadModel(stale_after_s=1.0)
+    reading = fresh(running=3)
+    assert model.fresh(reading) is reading
+    assert model.fresh(replace(reading, age_s=1.0)) is not None  # the threshold itself counts
+    assert model.fresh(replace(reading, age_s=1.01)) is None
+    assert model.fresh(None) is None
+    assert LoadModel(stale_after_s=10.0).fresh(stale(running=3)) is not None
 
 
 def test_a_readings_external_load_is_what_the_worker_has_beyond_this_gateways_own() -> None:

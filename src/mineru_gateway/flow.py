@@ -63,36 +63,42 @@ class RoomPolicy:
     headroom: float = 0.0  # requests allowed to wait on a worker, as a share of its batch
     min_headroom: int = 2
     load: LoadModel = field(default_factory=LoadModel)
+    # batch_limit -> its capacity: asked for every worker on every request, from the few batch
+    # sizes the workers have (configured, learnt, or vLLM's default).
+    _capacities: dict[int | None, int] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
-    def limit(self, view: WorkerView) -> tuple[int, int]:
-        """The worker's batch size and the headroom on top of it."""
-        batch = view.batch_limit or self.default_batch
-        return batch, max(self.min_headroom, math.ceil(self.headroom * batch))
+    def capacity(self, view: WorkerView) -> int:
+        """Requests the worker may hold: its batch, and the headroom on top of it (a share of
+        the batch, at least `min_headroom`)."""
+        capacity = self._capacities.get(view.batch_limit)
+        if capacity is None:
+            batch = view.batch_limit or self.default_batch
+            capacity = batch + max(self.min_headroom, math.ceil(self.headroom * batch))
+            self._capacities[view.batch_limit] = capacity
+        return capacity
 
     def occupied(self, view: WorkerView) -> float:
         """This gateway's requests on the worker plus those it reports beyond them."""
-        reported = self.load.fresh(view)
+        reported = view.reported
         return view.in_flight + (0.0 if reported is None else reported.external)
 
     def has_room(self, view: WorkerView) -> bool:
         if not view.healthy:
             return False
-        reported = self.load.fresh(view)
+        reported = view.reported
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
-        batch, headroom = self.limit(view)
-        return view.in_flight + (0.0 if reported is None else reported.external) < batch + headroom
+        occupied = view.in_flight + (0.0 if reported is None else reported.external)
+        return occupied < self.capacity(view)
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
 
     def free(self, roomy: Iterable[WorkerView]) -> int:
         """Requests the workers with room can still take (each at least one)."""
-        total = 0
-        for view in roomy:
-            batch, headroom = self.limit(view)
-            total += max(1, math.ceil(batch + headroom - self.occupied(view)))
-        return total
+        return sum(max(1, math.ceil(self.capacity(view) - self.occupied(view))) for view in roomy)
 
 
 # -- tenants and tickets ------------------------------------------------------------------------

@@ -13,9 +13,10 @@ The load signal (issue 3) combines two sources:
   the worker reports beyond this gateway's own count hold one batch slot each (their prompts are
   unknown), and a waiting queue, whoever sent it, adds `waiting_weight` per waiting request: a
   worker with requests waiting has a full batch (or KV cache), so a new request there waits too.
-A worker whose figures are stale contributes only the gateway's own counts; a worker that reports
-a slower pace (a degraded NPU) has its load scaled by its `slowness`; a nearly full KV cache is
-avoided.
+A worker whose figures are stale contributes only the gateway's own counts (its view carries no
+reading: freshness is judged once, where the view is built, `LoadModel.fresh`); a worker that
+reports a slower pace (a degraded NPU) has its load scaled by its `slowness`; a nearly full KV
+cache is avoided.
 
     score = (own_cost + external + waiting_weight * waiting) * slowness * kv_factor
 """
@@ -62,6 +63,10 @@ class WorkerView:
     in_flight: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
     own_cost: float = 0.0  # estimated cost of this gateway's in-flight requests on the worker
+    # The worker's own figures while they are fresh enough to route on, None otherwise (no
+    # reading yet, or one older than `LoadModel.stale_after_s`). Whoever builds the view judges
+    # that once (`LoadModel.fresh`): routing and the room check read it for every worker on
+    # every request, three times each.
     reported: ReportedLoad | None = None
     slowness: float = 1.0  # the worker's pace relative to its peers (2.0: half speed)
     batch_limit: int | None = None  # its running batch's size (max_num_seqs), when known
@@ -123,18 +128,20 @@ class LoadModel:
     kv_penalty_from: float = 0.8  # from here the score grows, up to 3x at a full cache
     waiting_weight: float = 1.0  # extra slots per request the worker reports waiting
 
-    def fresh(self, view: WorkerView) -> ReportedLoad | None:
-        reported = view.reported
+    def fresh(self, reported: ReportedLoad | None) -> ReportedLoad | None:
+        """`reported` if it is recent enough to route on: what goes into a `WorkerView`."""
         return reported if reported is not None and reported.age_s <= self.stale_after_s else None
 
     def score(self, view: WorkerView) -> float:
-        reported = self.fresh(view)
+        reported = view.reported
         load = view.own_cost
+        if reported is None:
+            return load * view.slowness
+        load += reported.external
+        load += self.waiting_weight * reported.waiting
         kv_factor = 1.0
-        if reported is not None:
-            load += reported.external
-            load += self.waiting_weight * reported.waiting
-            over = max(0.0, reported.kv_usage - self.kv_penalty_from)
+        if reported.kv_usage > self.kv_penalty_from:
+            over = reported.kv_usage - self.kv_penalty_from
             kv_factor += 2.0 * over / (1.0 - self.kv_penalty_from)
         return load * view.slowness * kv_factor
 
@@ -143,7 +150,7 @@ class LoadModel:
         roomy = [
             view
             for view in candidates
-            if (reported := self.fresh(view)) is None or reported.kv_usage < self.kv_avoid_above
+            if (reported := view.reported) is None or reported.kv_usage < self.kv_avoid_above
         ]
         return roomy or candidates
 

@@ -217,9 +217,12 @@ def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
         counted = registry.views()[0]  # new counts, the same reading
         assert counted.in_flight == 1 and counted.reported is fresh.reported
     assert registry.views()[0].reported is fresh.reported
-    time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt with their age
+    time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt without them
     stale = registry.views()[0]
-    assert stale is not fresh and stale.reported is not None and stale.reported.age_s > 0.3
+    assert stale is not fresh and stale.reported is None and stale.in_flight == 0
+    assert registry.views()[0] is stale  # and kept: a stale reading has nothing more to cross
+    a.scrape = Scrape(VllmLoad(1, 2, 0.4, 0.0, 0.0), time.monotonic(), 0)
+    assert registry.views()[0].reported is not None  # a new reading goes in at once
 
 
 async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(

@@ -164,15 +164,16 @@ class Worker:
         return ReportedLoad(load.waiting, load.running, load.kv_usage, age, scrape.own_in_flight)
 
     def view(
-        self, now: float, slowness: float, batch_limit: int | None, stale_after_s: float
+        self, now: float, slowness: float, batch_limit: int | None, load: LoadModel
     ) -> WorkerView:
-        """What routing and flow control see of this worker now.
+        """What routing and flow control see of this worker now: its reading only while
+        `load` judges it fresh (`WorkerView.reported`).
 
         Built once and kept while nothing it shows has changed: routing asks for every worker's
         view on every request, and building them was 3 us per worker per request (24 us with
-        8 workers). The reported figures' age is as of the build, so the view is rebuilt when
-        they cross `stale_after_s` (the threshold routing and flow control apply, config.py):
-        until then "fresh" is the right answer, from then on "stale".
+        8 workers). The view is rebuilt when its reading crosses `load.stale_after_s` (the
+        threshold routing and flow control apply, config.py): until then the reading goes in,
+        from then on none.
         """
         scrape, built, routable = self.scrape, self._view, self.routable
         in_flight, cost = self.gateway_load()
@@ -193,10 +194,11 @@ class Worker:
             reported = view.reported
             models = view.models if same_models else frozenset(self.models)
         else:
-            reported = self.reported(now)
+            reported = load.fresh(self.reported(now))
             models = frozenset(self.models)
-            fresh = reported is not None and reported.age_s <= stale_after_s
-            until = scrape.at + stale_after_s if fresh and scrape is not None else math.inf
+            until = math.inf  # no reading, or a stale one: nothing to cross
+            if scrape is not None and reported is not None:
+                until = scrape.at + load.stale_after_s
         view = WorkerView(
             name=self.url,
             healthy=routable,
@@ -299,7 +301,7 @@ class WorkerRegistry:
         model routing and flow control judge the figures by (the one object given to both):
         a worker's view is kept while its figures are as fresh as that model says. With
         `group`, routing and flow control count every process's requests (group_load.py)."""
-        self._stale_after_s = (load or LoadModel()).stale_after_s
+        self._load = load or LoadModel()
         self._group = group
         self._workers = {url: self._new_worker(url) for url in urls}
         self._shared_readings = shared_readings
@@ -396,13 +398,13 @@ class WorkerRegistry:
     def views(self) -> list[WorkerView]:
         now = time.monotonic()
         slowness = self._slowness()
-        stale_after_s = self._stale_after_s
+        load = self._load
         return [
             worker.view(
                 now,
                 slowness.get(worker.url, 1.0) if slowness else 1.0,
                 self._batch_limit or worker.batch_seen or None,
-                stale_after_s,
+                load,
             )
             for worker in self._workers.values()
         ]
