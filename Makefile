@@ -147,7 +147,7 @@ bench-small-requests: install vllm-router wrk-nginx
 ## The same with a 300 KB PNG page image in every request, as MinerU sends pages (about 3
 ## minutes). Results: benchmarks/results/small_requests_image.*
 bench-page-images: install vllm-router wrk-nginx
-	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-raw \
+	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-link,floor-raw \
 		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
 
 ## CPU per relayed token event against vllm-router and nginx, upstreams streaming 64 events per

@@ -182,6 +182,9 @@ def test_markdown_has_the_table_and_the_profile() -> None:
     assert row + " 0 |" in text
     assert "| 25.0% | `f (a.py:1)` |" in text and "| 75.0% | `g (b.py:2)` |" in text
     assert "- a note" in text
+    assert "two raw-asyncio upstreams answering at once" in text
+    document["settings"]["upstreams"] = 8
+    assert "8 raw-asyncio upstreams answering at once" in markdown(document)
 
 
 def test_upstream_answers_name_the_model_sent() -> None:
@@ -232,7 +235,7 @@ def test_a_candidate_arg_reaches_that_candidates_serve_command_only(tmp_path: Pa
         parse_args(["--candidate-arg=nobody=--log-level=info"])
 
 
-@pytest.mark.parametrize("mode", ["raw", "asgi"])
+@pytest.mark.parametrize("mode", ["raw", "asgi", "link"])
 def test_a_floor_relay_answers_what_the_upstream_answers(mode: str, tmp_path: Path) -> None:
     """The floors (benchmarks/small_requests/floors.py) measure relaying alone: they must relay."""
     procs = Processes(tmp_path)

@@ -332,11 +332,13 @@ def _image_note(settings: Mapping[str, Any]) -> str:
 
 
 def _answer_note(settings: Mapping[str, Any]) -> str:
+    count = settings.get("upstreams", 2)
+    upstreams = f"{'two' if count == 2 else count} raw-asyncio upstreams"
     events = settings.get("stream_events", 0)
     if not events:
-        return "two raw-asyncio upstreams answering at once"
+        return f"{upstreams} answering at once"
     return (
-        f"two raw-asyncio upstreams streaming each answer as {events} token events (the recorded "
+        f"{upstreams} streaming each answer as {events} token events (the recorded "
         f"vLLM stream's), every open stream's next event written together every "
         f"{settings['event_gap_ms']:g} ms, then its usage event and [DONE]"
     )

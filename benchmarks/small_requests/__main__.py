@@ -50,6 +50,7 @@ PROXIES = (
     "nginx",
     "dp-balancer",
     "floor-asgi",
+    "floor-link",
     "floor-raw",
 )
 VLLM_ROUTER_VENV = Path.home() / ".cache/mineru-gateway/vllm-router-0.1.17"
@@ -83,7 +84,8 @@ class Bench:
         if self.args.stream_events:
             extra = ["--events", str(self.args.stream_events)]
             extra += ["--gap-ms", f"{self.args.event_gap_ms:g}"]
-        for url, handle in upstream.start(self.procs, self.args.model, extra=extra):
+        started = upstream.start(self.procs, self.args.model, self.args.upstreams, extra=extra)
+        for url, handle in started:
             self.upstreams.append(url)
             self.upstream_pids.append(handle.pid)
 
@@ -246,6 +248,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="load the gateway and each candidate at the same time (needs --candidate)",
     )
+    parser.add_argument(
+        "--upstreams",
+        type=int,
+        default=2,
+        help="instant upstreams behind every proxy (an Atlas 800T A2 runs 8 workers)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=2.0)
@@ -285,15 +293,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def notes(args: argparse.Namespace) -> list[str]:
     return [
-        f"{os.cpu_count()} CPUs shared by wrk, both upstreams and the proxy: a proxy that cannot "
+        f"{os.cpu_count()} CPUs shared by wrk, the upstreams and the proxy: a proxy that cannot "
         "get a full core shows it in requests/s, not in CPU per request (the figure compared).",
-        "gateway: `serve --workers U1,U2 --log-level warning`; gateway-processes: the same with "
-        "`--processes 2`; vllm-router: `--policy round_robin --disable-retries`; nginx: one worker "
-        "process, keepalive 128 to the upstreams, no access log; dp-balancer: "
-        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp); floor-asgi and "
-        "floor-raw: benchmarks/small_requests/floors.py, relays with nothing but relaying over "
-        "the gateway's own client (a raw ASGI app on uvicorn; an asyncio protocol over "
-        "httptools).",
+        "gateway: `serve --workers U1,U2,... --log-level warning`; gateway-processes: the same "
+        "with `--processes 2`; vllm-router: `--policy round_robin --disable-retries`; nginx: one "
+        "worker process, keepalive 128 to the upstreams, no access log; dp-balancer: "
+        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp); floor-asgi, "
+        "floor-link and floor-raw: benchmarks/small_requests/floors.py, relays with nothing but "
+        "relaying over the gateway's own client (a raw ASGI app on uvicorn answering through "
+        "`send`; the same on the gateway's server protocol answering through its client link; "
+        "an asyncio protocol over httptools).",
         *(
             f"gateway@{name}: the gateway from {src}/src"
             + "".join(f" {arg}" for arg in args.candidate_args.get(name, []))
@@ -330,7 +339,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
     bench.start_upstreams()
     for name in args.proxies:
         bench.start(name)
-    time.sleep(2.5)  # every proxy sees both upstreams healthy
+    time.sleep(2.5)  # every proxy sees every upstream healthy
     runs = [
         run
         for r in range(args.rounds)
@@ -348,6 +357,7 @@ def run(args: argparse.Namespace, bench: Bench) -> dict[str, Any]:
             "model": args.model,
             "body_bytes": len(body),
             "image_kb": args.image_kb,
+            "upstreams": args.upstreams,
             "stream_events": args.stream_events,
             "event_gap_ms": args.event_gap_ms,
             "proxies": args.proxies,

@@ -4,8 +4,11 @@ before any of the gateway's own work (routing, flow control, limits, accounting,
 - `raw`: an asyncio protocol over httptools answers each POST by relaying it through the
   gateway's own HTTP/1.1 client (`workers/http1.py`) to the upstreams in turn, head and body in
   one write; GET answers 200 at once (the benchmark's readiness check).
-- `asgi`: the same relay as a raw ASGI app on uvicorn (uvloop, httptools), as the gateway's
-  relay is served.
+- `asgi`: the same relay as a raw ASGI app on uvicorn (uvloop, httptools), answering through
+  ASGI's `send`.
+- `link`: the same app on the gateway's own server protocol (uvicorn's, with the client link,
+  `api/connection.py`), answering through the link in one write, as the gateway's relay does:
+  the server stack the gateway pays for, less its own work.
 
 Benchmark use only: no errors handled beyond dropping the connection.
 
@@ -23,6 +26,7 @@ from typing import Any
 import uvicorn
 import uvloop
 
+from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
 from mineru_gateway.workers.http1 import Http1Pool
 
 from . import CHAT
@@ -88,6 +92,10 @@ def asgi_app(relay: Relay) -> Any:
             status, data = await relay.relay(b"".join(parts))
         else:
             status, data = 200, b"{}"
+        link = ClientLink.of(scope)
+        if link is not None:
+            await link.respond(status, [(b"content-type", b"application/json")], data)
+            return
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
@@ -97,7 +105,7 @@ def asgi_app(relay: Relay) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("raw", "asgi"), required=True)
+    parser.add_argument("--mode", choices=("raw", "asgi", "link"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstreams", required=True, help="comma-separated base URLs")
     args = parser.parse_args(argv)
@@ -110,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             host="127.0.0.1",
             port=args.port,
             loop="uvloop",
-            http="httptools",
+            http=GatewayHttpProtocol if args.mode == "link" else "httptools",
             lifespan="off",
             log_level="warning",
             access_log=False,
