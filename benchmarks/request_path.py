@@ -68,11 +68,14 @@ class _Transport:
         return False
 
 
-def _cycle() -> Any:
-    """The fields of uvicorn's request cycle that `ClientLink.respond` reads and sets."""
+def _cycle(body: bytes) -> Any:
+    """The fields of uvicorn's request cycle that `ClientLink` reads and sets, with the whole
+    request `body` arrived (as a small request's does, in one read with its head)."""
     return types.SimpleNamespace(
+        body=body,
+        more_body=False,
         transport=_Transport(),
-        flow=types.SimpleNamespace(write_paused=False),
+        flow=types.SimpleNamespace(write_paused=False, resume_reading=lambda: None),
         default_headers=[],
         keep_alive=True,
         response_started=False,
@@ -107,7 +110,7 @@ async def _run(
         await _until_healthy(app, state)
 
         async def one() -> None:
-            cycle = _cycle()
+            cycle = _cycle(body)
             scope = {
                 "type": "http",
                 "method": "POST",
@@ -165,7 +168,7 @@ async def _floor(scope: dict[str, Any], receive: Any) -> None:
     context = gateway_context(scope)
     link = ClientLink.of(scope)
     assert link is not None
-    body = await read_body(receive, None, context.settings.max_body_bytes)
+    body = await read_body(receive, None, context.settings.max_body_bytes, link)
     workers = context.registry.workers
     url = workers[next(_turn) % len(workers)].url + CHAT
     upstream = await context.client.post(url, body, {"Content-Type": "application/json"})
