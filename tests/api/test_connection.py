@@ -23,6 +23,7 @@ import pytest
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
+from mineru_gateway.api.requests import read_body
 from mineru_gateway.config import GatewaySettings
 from tests.support.raw_http import chunk, content_length
 from tests.support.servers import serve, wait_until
@@ -116,13 +117,7 @@ class BodyApp:
         body = link.body()
         self.taken.append(body is not None)
         if body is None:
-            parts = []
-            while True:
-                message = await receive()
-                parts.append(message.get("body", b""))
-                if not message.get("more_body"):
-                    break
-            body = b"".join(parts)
+            body = await read_body(receive, None, limit=1 << 20)
         try:
             message = await asyncio.wait_for(receive(), 0.05)
             self.after.append(message["type"])
