@@ -163,14 +163,17 @@ bench-streamed-events: install vllm-router wrk-nginx
 
 ## The gateway's own work per small request, its app called in-process against instant upstreams:
 ## CPU and instructions per request (valgrind's callgrind: the same on every run, for comparing
-## changes), and the same for relaying alone (the floor); about 8 minutes.
-## Results: benchmarks/results/request_path.*
+## changes), and the same for relaying alone (the floor); then with 8 workers, as on an Atlas
+## box (routing looks at every worker). About 12 minutes.
+## Results: benchmarks/results/request_path.* and request_path_atlas.*
 bench-request-path: install
 	@command -v valgrind >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends valgrind >/dev/null; }
 	$(BIN)/python -m benchmarks.request_path --instructions --floor \
 		--out benchmarks/results/request_path.json
+	$(BIN)/python -m benchmarks.request_path --instructions --workers 8 \
+		--out benchmarks/results/request_path_atlas.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1
 
