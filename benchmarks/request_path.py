@@ -68,14 +68,11 @@ class _Transport:
         return False
 
 
-def _cycle(body: bytes) -> Any:
-    """The fields of uvicorn's request cycle that `ClientLink` reads and sets, with the whole
-    request `body` arrived (as a small request's does, in one read with its head)."""
+def _cycle() -> Any:
+    """The fields of uvicorn's request cycle that `ClientLink.respond` reads and sets."""
     return types.SimpleNamespace(
-        body=body,
-        more_body=False,
         transport=_Transport(),
-        flow=types.SimpleNamespace(write_paused=False, resume_reading=lambda: None),
+        flow=types.SimpleNamespace(write_paused=False),
         default_headers=[],
         keep_alive=True,
         response_started=False,
@@ -110,7 +107,7 @@ async def _run(
         await _until_healthy(app, state)
 
         async def one() -> None:
-            cycle = _cycle(body)
+            cycle = _cycle()
             scope = {
                 "type": "http",
                 "method": "POST",
@@ -168,7 +165,7 @@ async def _floor(scope: dict[str, Any], receive: Any) -> None:
     context = gateway_context(scope)
     link = ClientLink.of(scope)
     assert link is not None
-    body = await read_body(receive, None, context.settings.max_body_bytes, link)
+    body = await read_body(receive, None, context.settings.max_body_bytes)
     workers = context.registry.workers
     url = workers[next(_turn) % len(workers)].url + CHAT
     upstream = await context.client.post(url, body, {"Content-Type": "application/json"})

@@ -23,7 +23,6 @@ import pytest
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
-from mineru_gateway.api.requests import read_body
 from mineru_gateway.config import GatewaySettings
 from tests.support.raw_http import chunk, content_length
 from tests.support.servers import serve, wait_until
@@ -99,53 +98,6 @@ def test_whole_answers_through_the_link_keep_the_connection_alive() -> None:
     assert answers[0].headers["server"] == "uvicorn"  # uvicorn's default headers kept
     assert all(link is not None for link in app.links)
     assert len(set(map(tuple, app.clients))) == 1  # one connection for all three
-
-
-class BodyApp:
-    """Takes each request's body from its link when it can, else through `receive`, then checks
-    that `receive` has nothing more to hand over (as after uvicorn's own last body message)."""
-
-    def __init__(self) -> None:
-        self.taken: list[bool] = []  # from the link?
-        self.after: list[str] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        link = ClientLink.of(scope)
-        assert link is not None
-        body = link.body()
-        self.taken.append(body is not None)
-        if body is None:
-            body = await read_body(receive, None, limit=1 << 20)
-        try:
-            message = await asyncio.wait_for(receive(), 0.05)
-            self.after.append(message["type"])
-        except TimeoutError:
-            self.after.append("waits")
-        await link.respond(200, [], hashlib.sha256(body).hexdigest().encode())
-
-
-def test_a_body_that_came_with_its_head_is_taken_from_the_link() -> None:
-    app = BodyApp()
-    small, large = b"s" * 1000, bytes(range(256)) * 1200  # 307,200 bytes: several reads
-    head = b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-    last = head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
-    with serve(app, http=GatewayHttpProtocol, lifespan="off") as url:
-        parts = urlsplit(url)
-        with socket.create_connection((parts.hostname, parts.port), timeout=10) as client:
-            client.sendall(head % len(small) + small)  # one read: head and body
-            client.sendall(head % len(large))
-            time.sleep(0.2)
-            client.sendall(large)
-            client.sendall(last % 0)
-            answers = b""
-            while data := client.recv(65536):  # until the server closes the connection
-                answers += data
-    digests = [hashlib.sha256(body).hexdigest().encode() for body in (small, large, b"")]
-    assert [answers.count(digest) for digest in digests] == [1, 1, 1]
-    assert app.taken == [True, False, True]  # the large body came later: read through receive
-    assert app.after == ["waits", "waits", "waits"]  # nothing more, as after receive's last
 
 
 def test_connection_close_is_honoured_and_pipelined_requests_answered_in_order() -> None:
@@ -373,8 +325,8 @@ def test_a_chunked_body_is_taken_up_to_the_limit_and_refused_past_it(
 def test_a_chunked_body_past_the_limit_in_the_heads_write_is_refused(
     scripted: tuple[Script, str], http: Any
 ) -> None:
-    """All of it in one read with its head: on the link, taken whole (`ClientLink.body`), and
-    still counted against the limit."""
+    """All of it in one read with its head, so complete before the relay looks: still counted
+    against the limit."""
     script, worker = scripted
     large, small = _chat(20_000), _chat(2_000)
     with _gateway(worker, http, max_body_bytes=10_000) as gateway, _connect(gateway) as client:

@@ -9,15 +9,12 @@ benchmarks/results/small_requests.md):
 - A whole answer takes two `send` messages, and uvicorn writes its head and its body in two
   `write` system calls.
 - A stream's body takes an ASGI message, a task switch and an async-generator step per event.
-- A body that came in one read with its head still takes a `receive()`: a message, an event's
-  wait and clear, and the reader's loop.
 
 `GatewayHttpProtocol` is uvicorn's httptools protocol (keep-alive, pipelining, flow control,
 limits and graceful shutdown stay uvicorn's) that also hands each request a `ClientLink` in
-its scope's extensions. Through it the relay takes a body that has all arrived as it is,
-registers a callback for the connection's loss (called from `connection_lost`, no task), writes a
-whole answer's head and body in one write, and writes a started stream's body straight to the
-transport (`DirectSink`). The ends of answers
+its scope's extensions. Through it the relay registers a callback for the connection's loss
+(called from `connection_lost`, no task), writes a whole answer's head and body in one write, and
+writes a started stream's body straight to the transport (`DirectSink`). The ends of answers
 keep uvicorn's bookkeeping: the link sets the same fields uvicorn's `send` does and calls its
 completion callback, so keep-alive and the next pipelined request carry on as after any answer.
 
@@ -89,21 +86,6 @@ class ClientLink:
         answered = self._answered if cycle is None else cycle.response_complete
         if callback is not None and not answered:
             callback()
-
-    def body(self) -> bytes | None:
-        """The request's whole body if it has all arrived already (a small request comes in one
-        read with its head), taken as uvicorn's `receive` hands it over, without the message,
-        the event's wait and the loop; None otherwise: read it through `receive`."""
-        cycle = self._cycle
-        if cycle is None or cycle.more_body or cycle.disconnected:
-            return None
-        if cycle.waiting_for_100_continue:
-            return None  # `receive` answers "100 Continue" first
-        body: bytes = cycle.body
-        cycle.body = b""
-        cycle.message_event.clear()
-        cycle.flow.resume_reading()  # as `receive` does: a paused read of a long body goes on
-        return body
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole answer, sized, in one write: what uvicorn's `send` does for a start and a

@@ -255,7 +255,7 @@ class Relay:
             tenant = context.tenants.authenticate(headers.get(b"authorization"))
             exchange.tenant = tenant.name
             body = await read_body(
-                receive, _content_length(headers), context.settings.max_body_bytes, link
+                receive, _content_length(headers), context.settings.max_body_bytes
             )
             request = parse_request(self.endpoint, body, context.media, context.limits)
             asked = request.priority

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import orjson
 
-from mineru_gateway.api.connection import ClientLink
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.payload import loads
@@ -42,18 +41,9 @@ class ClientDisconnected(Exception):
     """The client went away before its request body arrived."""
 
 
-async def read_body(
-    receive: Receive, content_length: int | None, limit: int, link: ClientLink | None = None
-) -> bytes:
-    """The request's body, refused past `limit` bytes; straight from the client's `link`
-    when it has all arrived (api/connection.py)."""
+async def read_body(receive: Receive, content_length: int | None, limit: int) -> bytes:
     if content_length is not None and content_length > limit:
         raise _too_large(limit)
-    whole = None if link is None else link.body()
-    if whole is not None:
-        if len(whole) > limit:
-            raise _too_large(limit)
-        return whole
     parts: list[bytes] = []
     size = 0
     while True:
