@@ -305,15 +305,11 @@ def test_one_policy_gives_each_batch_size_its_own_capacity() -> None:
     policy = RoomPolicy(headroom=0.5)
     sizes = [10, None, 10, 100, None, 3]
     assert [policy.capacity(_view(0, batch=size)) for size in sizes] == [15, 384, 15, 150, 384, 5]
-    assert [policy.has_room(_view(14, batch=10)), policy.has_room(_view(15, batch=10))] == [
-        True,
-        False,
-    ]
+    assert policy.has_room(_view(14, batch=10)) and not policy.has_room(_view(15, batch=10))
     assert policy.has_room(_view(149, batch=100)) and not policy.has_room(_view(150, batch=100))
     # free room: each worker's capacity less what it holds, at least one
-    assert (
-        policy.free([_view(10, batch=10), _view(0, batch=100), _view(20, batch=10)]) == 5 + 150 + 1
-    )
+    views = [_view(10, batch=10), _view(0, batch=100), _view(20, batch=10)]
+    assert policy.free(views) == 5 + 150 + 1
 
 
 def test_drain_rate_reads_the_pace_of_dispatches_in_its_window() -> None:

@@ -238,11 +238,9 @@ async def in_flight_on(client: httpx.AsyncClient, gateway: str, worker: str) -> 
 def refuses_connections(url: str) -> bool:
     try:
         httpx.get(url, timeout=2)
-    except httpx.ConnectError:
-        return True
-    except httpx.RemoteProtocolError:
-        # Connected in the instant the listener closed: the kernel had accepted it into the
-        # backlog, and it was closed unanswered (seen once in CI). Not served either.
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
+        # RemoteProtocolError: connected in the instant the listener closed, the kernel had
+        # accepted it into the backlog and it was closed unanswered (seen once in CI).
         return True
     return False
 

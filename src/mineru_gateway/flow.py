@@ -90,8 +90,7 @@ class RoomPolicy:
         reported = view.reported
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
-        occupied = view.in_flight + (0.0 if reported is None else reported.external)
-        return occupied < self.capacity(view)
+        return self.occupied(view) < self.capacity(view)
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
