@@ -327,18 +327,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         name, _, directory = candidate.partition("=")
         sources[f"gateway@{name}"] = Path(directory).resolve()
     extra = ["--image-kb", str(args.image_kb)] if args.image_kb else []
+    trees = [(name, source, extra) for name, source in sources.items()]
+    if args.floor:
+        trees.append(("floor", REPO, [*extra, "--floor"]))
     gateways = {}
     with upstreams(args.workers) as urls:
-        for name, source in sources.items():
+        for name, source, child_args in trees:
             gateways[name] = measure(
-                source, urls, args.requests, instructions=args.instructions, extra=extra
+                source, urls, args.requests, instructions=args.instructions, extra=child_args
             )
             print(name, {k: v for k, v in gateways[name].items() if k != "runs"}, flush=True)
-        if args.floor:
-            gateways["floor"] = measure(
-                REPO, urls, args.requests, instructions=args.instructions, extra=[*extra, "--floor"]
-            )
-            print("floor", {k: v for k, v in gateways["floor"].items() if k != "runs"})
     results = {
         "command": "python -m benchmarks.request_path " + " ".join(argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -86,7 +86,7 @@ def test_one_walk_keeps_texts_in_order_and_names_every_part() -> None:
         {"role": "user", "content": "Text Recognition:"},
     ]
     chat = Chat(messages)
-    assert chat.messages == 3
+    assert chat.message_count == 3
     assert chat.texts == ["Layout Detection:", "second", "Text Recognition:"]
     assert chat.parts == [(1, 0, image), (1, 2, {"type": "text", "text": "second"})]
     assert chat.malformed is None

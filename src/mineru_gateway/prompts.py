@@ -123,10 +123,10 @@ class Chat:
     label per part, and parsing was a tenth of a small request's instructions
     (docs/proxy-costs.md, "One walk over the messages")."""
 
-    __slots__ = ("malformed", "messages", "parts", "texts")
+    __slots__ = ("malformed", "message_count", "parts", "texts")
 
     def __init__(self, messages: list[Any]) -> None:
-        self.messages = len(messages)  # how many
+        self.message_count = len(messages)
         self.texts: list[str] = []
         self.parts: list[tuple[int, int, dict[str, Any]]] = []  # (message, part number, part)
         self.malformed: int | None = None  # the first message that is no object with a role
@@ -157,7 +157,7 @@ def part_name(message: int, number: int) -> str:
 def estimate_chat(messages: list[Any] | Chat) -> PromptEstimate:
     """Lenient estimate of a chat prompt: malformed parts count as nothing (the worker judges)."""
     chat = messages if isinstance(messages, Chat) else Chat(messages)
-    tokens = chat_overhead_tokens(chat.messages)
+    tokens = chat_overhead_tokens(chat.message_count)
     images = 0
     for _, _, part in chat.parts:
         if not isinstance(part.get("text"), str) and isinstance(url := _image_url(part), str):

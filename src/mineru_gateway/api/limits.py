@@ -93,9 +93,9 @@ class RequestLimits:
             _check_max_tokens(payload, self.max_tokens)
 
     def _check_chat(self, chat: Chat) -> None:
-        if chat.messages > self.max_messages:
+        if chat.message_count > self.max_messages:
             raise InvalidRequest(
-                f"the request has {chat.messages} messages; this gateway accepts at most "
+                f"the request has {chat.message_count} messages; this gateway accepts at most "
                 f"{self.max_messages}",
                 param="messages",
                 code="too_many_messages",
