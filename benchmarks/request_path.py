@@ -1,10 +1,12 @@
 """What the gateway's own work costs per small request, without the servers around it (issue 16).
 
-The gateway's ASGI app is called in-process, 16 requests at a time, with the small request of
-`benchmarks.small_requests` (no HTTP server on the client's side: each request gets a `ClientLink`
-over a stand-in for uvicorn's request cycle that drops what is written), against two of that
-benchmark's instant upstreams through the gateway's own client. What is left is the relay's path:
-parsing and limits, cost, admission and routing, the worker's round trip, accounting.
+The gateway's server protocol and app run in-process, on 16 keep-alive connections at a time, with
+the small request of `benchmarks.small_requests`: each request is handed to the protocol as the
+bytes its socket would deliver and the answer is taken from what it writes (no sockets on the
+client's side), against two of that benchmark's instant upstreams through the gateway's own
+client. What is measured is the gateway's side of a request less the client socket's system
+calls: the server protocol, parsing and limits, cost, admission and routing, the worker's round
+trip, accounting.
 
 Two figures per gateway tree, each from the difference of two runs (so start-up and warm-up cancel):
 
@@ -16,9 +18,9 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
 `--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
 `--workers N` starts N upstreams instead of 2 (routing's work grows with the workers).
 `--image-kb N` sends a page image of about N KB in every request instead (MinerU's page
-requests). `--floor` adds the same harness around relaying alone (`_floor`: the body read, a
-worker taken in turn, the gateway's client, the answer written through the link), so that the
-gateway's own work is its figure less the floor's.
+requests). `--floor` adds the same harness around relaying alone (`_floor`, on the same server
+protocol: the body read, a worker taken in turn, the gateway's client, the answer written
+through the link), so that the gateway's own work is its figure less the floor's.
 
     python -m benchmarks.request_path --instructions --candidate before=/tmp/base \\
         --out benchmarks/results/request_path.json
@@ -38,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,93 +56,92 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # -- the child: one gateway tree, one run --------------------------------------------------------
-class _Transport:
-    """Where the answers go: nowhere (the client's side is not what is measured)."""
+class _Client:
+    """A client's keep-alive connection to the gateway's server protocol, in-process: requests
+    are handed to the protocol as the bytes a socket would deliver, and what it writes back is
+    the answer (each answer here is written whole, in one write)."""
 
+    def __init__(self, protocol: Any) -> None:
+        self._answer: asyncio.Future[bytes] | None = None
+        self._protocol = protocol
+        protocol.connection_made(self)
+
+    async def request(self, raw: bytes) -> bytes:
+        self._answer = asyncio.get_running_loop().create_future()
+        self._protocol.data_received(raw)
+        return await self._answer
+
+    # What the protocol uses of its transport.
     def write(self, data: bytes) -> None:
-        pass
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(data)
 
-    def close(self) -> None:
-        pass
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(
+            name, default
+        )
 
     def is_closing(self) -> bool:
         return False
 
+    def close(self) -> None:
+        pass
 
-def _cycle() -> Any:
-    """The fields of uvicorn's request cycle that `ClientLink.respond` reads and sets."""
-    return types.SimpleNamespace(
-        transport=_Transport(),
-        flow=types.SimpleNamespace(write_paused=False),
-        default_headers=[],
-        keep_alive=True,
-        response_started=False,
-        response_complete=False,
-        disconnected=False,
-        waiting_for_100_continue=False,
-        chunked_encoding=None,
-        message_event=asyncio.Event(),
-        on_response=lambda: None,
-    )
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
 
 async def _run(
     upstreams: Sequence[str], requests: int, warmup: int, floor: bool = False, image_kb: int = 0
 ) -> dict[str, Any]:
+    import uvicorn
+    from uvicorn.server import ServerState
+
     from mineru_gateway.api.app import create_app
-    from mineru_gateway.api.connection import EXTENSION, ClientLink
+    from mineru_gateway.api.connection import GatewayHttpProtocol
     from mineru_gateway.config import GatewaySettings
     from mineru_gateway.entry.logs import configure_logging
 
     configure_logging("warning", "json")
     app = create_app(GatewaySettings(workers=list(upstreams), log_level="warning"))
     body = chat_body(MODEL, image_kb=image_kb)
-    headers = [
-        (b"host", b"127.0.0.1"),
-        (b"content-type", b"application/json"),
-        (b"content-length", b"%d" % len(body)),
-    ]
+    raw = (
+        b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (CHAT.encode(), len(body), body)
+    )
     answered: list[int] = []
 
     async with app.api.router.lifespan_context(app.api) as state:
         await _until_healthy(app, state)
+        config = uvicorn.Config(
+            _floor if floor else app,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            timeout_keep_alive=30,
+        )
+        config.load()
+        server = ServerState()
+        clients = [
+            _Client(GatewayHttpProtocol(config, server, dict(state or {})))
+            for _ in range(CONCURRENCY)
+        ]
 
-        async def one() -> None:
-            cycle = _cycle()
-            scope = {
-                "type": "http",
-                "method": "POST",
-                "path": CHAT,
-                "headers": headers,
-                "state": dict(state or {}),
-                "extensions": {EXTENSION: ClientLink(cycle)},
-            }
-            sent = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                await asyncio.Event().wait()  # the client never leaves
-                raise AssertionError
-
-            async def send(message: Any) -> None:
-                raise AssertionError("the link answers whole answers")
-
-            await (_floor(scope, receive) if floor else app(scope, receive, send))
-            answered.append(int(cycle.response_complete))
-
-        async def loop(count: int) -> None:
+        async def loop(client: _Client, count: int) -> None:
             for _ in range(count):
-                await one()
+                answer = await client.request(raw)
+                answered.append(int(answer.startswith(b"HTTP/1.1 200 ")))
 
-        await asyncio.gather(*(loop(warmup // CONCURRENCY) for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(loop(client, warmup // CONCURRENCY) for client in clients))
         answered.clear()
         gc.collect()
         gc.freeze()  # as the server does once listening (entry/server.py)
         started, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(loop(requests // CONCURRENCY) for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(loop(client, requests // CONCURRENCY) for client in clients))
         cpu, wall = time.process_time() - cpu, time.perf_counter() - started
     done = (requests // CONCURRENCY) * CONCURRENCY
     return {
@@ -156,7 +156,7 @@ async def _run(
 _turn = itertools.count()
 
 
-async def _floor(scope: dict[str, Any], receive: Any) -> None:
+async def _floor(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Relaying alone, with the gateway's own parts: its body reader, its client, its link."""
     from mineru_gateway.api.connection import ClientLink
     from mineru_gateway.api.context import gateway_context
@@ -291,8 +291,9 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`{results['command']}` ({results['date']}, commit {results['commit']}).",
         "",
-        "The gateway's app called in-process (no HTTP server on the client's side), 16 requests at"
-        f" a time, {results.get('body_bytes', 145):,}-byte bodies, against"
+        "The gateway's server protocol and app driven in-process (no sockets on the client's"
+        " side), 16 keep-alive connections at a time,"
+        f" {results.get('body_bytes', 145):,}-byte bodies, against"
         f" {results.get('workers', 2)} instant upstreams"
         " through its own client; each figure is the difference of two runs"
         " (benchmarks/request_path.py).",

@@ -6,9 +6,9 @@ before any of the gateway's own work (routing, flow control, limits, accounting,
   one write; GET answers 200 at once (the benchmark's readiness check).
 - `asgi`: the same relay as a raw ASGI app on uvicorn (uvloop, httptools), answering through
   ASGI's `send`.
-- `link`: the same app on the gateway's own server protocol (uvicorn's, with the client link,
-  `api/connection.py`), answering through the link in one write, as the gateway's relay does:
-  the server stack the gateway pays for, less its own work.
+- `link`: the same app on the gateway's own server protocol (`api/connection.py`), answering
+  through its client link in one write, as the gateway's relay does: the server stack the
+  gateway pays for, less its own work.
 
 Benchmark use only: no errors handled beyond dropping the connection.
 

@@ -1,8 +1,10 @@
 """The gateway's server protocol and the client link it hands the relay (api/connection.py), on a
-real uvicorn server: whole answers in one write that keep uvicorn's keep-alive, `Connection:
-close` and pipelining; a lost connection reported once, also to a late caller; no link under
-uvicorn's own protocols; the relay's disconnect handling, and large request bodies (in pieces,
-chunked, over the limit, after `100 Continue`, pipelined, cut off), the same on both paths."""
+real uvicorn server: whole answers in one write that keep keep-alive, `Connection: close` and
+pipelining, byte for byte what uvicorn's own protocol writes; a lost connection reported once,
+also to a late caller; no link under uvicorn's own protocols; the relay's disconnect handling,
+and large request bodies (in pieces, chunked, over the limit, after `100 Continue`, pipelined,
+cut off), the same on both paths. What else the protocol took over from uvicorn's:
+tests/api/test_server_protocol.py."""
 
 from __future__ import annotations
 
@@ -201,7 +203,7 @@ def test_the_gateways_requests_leave_no_reference_cycles(
     _, worker = scripted
     gateway = start_gateway([worker])
     body = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
-    ours = {"ClientLink", "RequestResponseCycle", "Exchange", "Answer", "Lease", "Grant"}
+    ours = {"ClientLink", "DirectSink", "Exchange", "Answer", "Lease", "Grant"}
     with httpx.Client(base_url=gateway) as client:
         client.post("/v1/chat/completions", json=body)  # warm: first-use caches
         gc.collect()

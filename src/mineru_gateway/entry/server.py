@@ -64,7 +64,7 @@ def make_server(
         host=host,
         port=port,
         loop="uvloop",
-        http=GatewayHttpProtocol,  # uvicorn's httptools protocol with the relay's seam
+        http=GatewayHttpProtocol,  # the gateway's own, with the relay's link (api/connection.py)
         lifespan="on",
         log_level=log_level,
         access_log=False,  # the gateway logs each request itself, with its request id

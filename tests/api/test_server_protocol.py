@@ -1,0 +1,276 @@
+"""The gateway's HTTP/1.1 server protocol (api/connection.py) on a real uvicorn server: what it
+took over from uvicorn's own protocol besides the link (tests/api/test_connection.py): the idle
+keep-alive timeout, malformed and upgrade requests, HTTP/1.0, HEAD, chunked answers, an app
+that fails or answers nothing, the graceful shutdown, and the config it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from mineru_gateway.api.connection import GatewayHttpProtocol
+from tests.support.servers import ServerThread, serve, wait_until
+
+MISUSES: dict[str, list[dict[str, Any]]] = {
+    # path: the messages sent, the last of which `send` refuses
+    "/body-first": [{"type": "http.response.body", "body": b"x"}],
+    "/bad-name": [{"type": "http.response.start", "status": 200, "headers": [(b"a b", b"1")]}],
+    "/bad-value": [{"type": "http.response.start", "status": 200, "headers": [(b"a", b"\n")]}],
+    "/too-long": [
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]},
+        {"type": "http.response.body", "body": b"abc"},
+    ],
+    "/too-short": [
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]},
+        {"type": "http.response.body", "body": b"ab"},
+    ],
+    "/start-twice": [
+        {"type": "http.response.start", "status": 200, "headers": []},
+        {"type": "http.response.start", "status": 200, "headers": []},
+    ],
+}
+
+
+class App:
+    """By path: /boom fails before answering, /boom-late after the head, /nothing returns
+    without answering, /half returns after the head, /stream answers in chunked framing, /wait
+    answers after a while, /after sends once more after its answer, MISUSES' paths send what
+    `send` refuses; any other path is echoed, sized. `refused` holds what `send` raised."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        path = scope["path"]
+        if path in MISUSES:
+            try:
+                for message in MISUSES[path]:
+                    await send(message)
+            except RuntimeError as error:
+                self.refused.append(str(error))
+                raise
+        if path == "/half":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            return
+        if path == "/boom":
+            raise RuntimeError("before the answer")
+        if path == "/nothing":
+            return
+        if path == "/wait":
+            await asyncio.sleep(0.5)
+        if path in ("/stream", "/boom-late"):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"one,", "more_body": True})
+            if path == "/boom-late":
+                raise RuntimeError("mid-answer")
+            await send({"type": "http.response.body", "body": b"two", "more_body": False})
+            return
+        body = f"{scope['method']} {path} {scope['http_version']}".encode()
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        if path == "/after":
+            try:
+                await send({"type": "http.response.body", "body": b"more"})
+            except RuntimeError as error:
+                self.refused.append(str(error))
+
+
+@contextmanager
+def server(app: App | None = None, **config: Any) -> Iterator[str]:
+    with serve(app or App(), http=GatewayHttpProtocol, lifespan="off", **config) as url:
+        yield url
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+def _until_closed(client: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    answer = bytearray()
+    while chunk := client.recv(65536):
+        answer += chunk
+    return bytes(answer)
+
+
+def _exchange(url: str, data: bytes) -> bytes:
+    with _connect(url) as client:
+        client.sendall(data)
+        return _until_closed(client)
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout() -> None:
+    with server(timeout_keep_alive=0.5) as url, _connect(url) as client:
+        for _ in range(3):  # answers within the timeout keep it open
+            client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(65536).endswith(b"GET /a 1.1")
+            time.sleep(0.3)
+        started = time.monotonic()
+        assert _until_closed(client) == b""
+        assert 0.1 < time.monotonic() - started < 3
+
+
+def test_a_connection_that_never_sends_is_closed_after_the_keep_alive_timeout() -> None:
+    with server(timeout_keep_alive=0.3) as url, _connect(url) as client:
+        assert _until_closed(client) == b""
+
+
+def test_a_request_longer_than_the_keep_alive_timeout_is_answered() -> None:
+    with server(timeout_keep_alive=0.2) as url, _connect(url) as client:
+        client.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert client.recv(65536).endswith(b"GET /wait 1.1")
+
+
+def test_a_malformed_request_is_answered_400_and_the_connection_closed() -> None:
+    with server() as url:
+        answer = _exchange(url, b"NOT HTTP AT ALL\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"connection: close\r\n" in answer
+    assert answer.endswith(b"\r\n\r\nInvalid HTTP request received.")
+
+
+def test_a_malformed_request_after_a_good_one_ends_the_connection_after_its_answer() -> None:
+    with server() as url:
+        answer = _exchange(url, b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /wait 1.1")
+    assert b"connection: close\r\n" in answer
+
+
+def test_an_upgrade_request_is_served_as_a_plain_one_then_the_connection_closed() -> None:
+    request = b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    with server() as url:
+        answer = _exchange(url, request)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /ws 1.1")
+
+
+def test_http_1_0_is_answered_and_the_connection_closed() -> None:
+    with server() as url:
+        answer = _exchange(url, b"GET /old HTTP/1.0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /old 1.0")
+    assert b"connection: close\r\n" in answer
+
+
+def test_head_gets_the_head_without_the_body() -> None:
+    with server() as url, _connect(url) as client:
+        client.sendall(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /g HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"GET /g 1.1"):
+            answer += client.recv(65536)
+    head, rest = answer.split(b"\r\n\r\n", 1)
+    assert b"content-length: 11" in head.split(b"\r\n")  # as the app gave it: "HEAD /h 1.1"
+    assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and rest.endswith(b"GET /g 1.1")
+
+
+def test_an_answer_without_a_length_goes_in_chunked_framing() -> None:
+    with server() as url:
+        answer = httpx.get(url + "/stream")
+    assert answer.text == "one,two"
+    assert answer.headers["transfer-encoding"] == "chunked"
+
+
+def test_an_app_failing_before_its_answer_gives_a_plain_500_and_a_closed_connection() -> None:
+    for path in ("/boom", "/nothing"):
+        with server() as url:
+            answer = _exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n"), path
+        assert b"connection: close\r\n" in answer
+        assert answer.endswith(b"\r\n\r\nInternal Server Error")
+
+
+def test_an_app_failing_mid_answer_closes_the_connection() -> None:
+    with server() as url:
+        answer = _exchange(url, b"GET /boom-late HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert answer.endswith(b"\r\n4\r\none,\r\n")  # no last chunk: the client sees it cut
+
+
+@pytest.mark.parametrize("path", list(MISUSES))
+def test_what_uvicorns_send_refuses_is_refused(path: str) -> None:
+    """Refused before the head went out: a plain 500; after it: the connection closed."""
+    app = App()
+    with server(app) as url:
+        answer = _exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert len(app.refused) == 1
+    if MISUSES[path][0]["type"] == "http.response.start" and len(MISUSES[path]) > 1:
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b" 500 " not in answer
+    else:
+        assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
+
+
+def test_an_app_returning_after_the_head_alone_closes_the_connection() -> None:
+    with server() as url:
+        answer = _exchange(url, b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert answer.endswith(b"transfer-encoding: chunked\r\n\r\n")  # and no body
+
+
+def test_a_message_after_the_answer_is_refused_and_the_connection_goes_on() -> None:
+    app = App()
+    with server(app) as url, httpx.Client(base_url=url) as client:
+        assert client.get("/after").text == "GET /after 1.1"
+        assert client.get("/a%20b").text == "GET /a b 1.1"  # percent-decoded, as uvicorn does
+    assert app.refused == ["unexpected ASGI message 'http.response.body' after the answer"]
+
+
+def test_a_malformed_body_closes_the_connection_unanswered() -> None:
+    request = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZZ\r\n"
+    with server() as url:
+        assert _exchange(url, request) == b""
+
+
+def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answer() -> None:
+    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off", timeout_keep_alive=60)
+    url = thread.start()
+    with _connect(url) as idle, _connect(url) as busy:
+        idle.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(65536).endswith(b"GET /a 1.1")
+        busy.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
+        started = time.monotonic()
+        thread.server.should_exit = True
+        assert _until_closed(idle) == b""
+        assert time.monotonic() - started < 5  # not the keep-alive timeout's 60 s
+        answer = _until_closed(busy)
+        thread.thread.join(timeout=10)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /wait 1.1")
+    assert b"connection: close\r\n" in answer
+
+
+@pytest.mark.parametrize("option", [{"root_path": "/api"}, {"limit_concurrency": 10}])
+def test_config_the_protocol_does_not_honour_is_refused(option: dict[str, Any]) -> None:
+    config = uvicorn.Config(App(), lifespan="off", **option)
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(ValueError, match="root_path or limit_concurrency"):
+            GatewayHttpProtocol(config, ServerState(), {}, loop)
+    finally:
+        loop.close()
+
+
+def test_the_server_counts_answered_requests() -> None:
+    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off")
+    url = thread.start()
+    try:
+        with httpx.Client(base_url=url) as client:
+            for _ in range(3):
+                client.get("/a")
+        wait_until(lambda: thread.server.server_state.total_requests == 3, 5, "3 requests")
+    finally:
+        thread.stop()
