@@ -253,6 +253,21 @@ def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answ
     assert b"connection: close\r\n" in answer
 
 
+def test_shutdown_lets_a_request_whose_body_is_on_its_way_finish() -> None:
+    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off")
+    url = thread.start()
+    with _connect(url) as client:
+        client.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
+        time.sleep(0.1)
+        thread.server.should_exit = True
+        time.sleep(0.2)
+        client.sendall(b"67890")
+        answer = _until_closed(client)
+        thread.thread.join(timeout=10)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"POST /upload 1.1")
+    assert b"connection: close\r\n" in answer
+
+
 @pytest.mark.parametrize("option", [{"root_path": "/api"}, {"limit_concurrency": 10}])
 def test_config_the_protocol_does_not_honour_is_refused(option: dict[str, Any]) -> None:
     config = uvicorn.Config(App(), lifespan="off", **option)

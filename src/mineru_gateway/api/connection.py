@@ -558,7 +558,8 @@ class GatewayHttpProtocol(asyncio.Protocol):
 
     def _close_after_answer(self) -> None:
         self.closing = True
-        self.flow.pause_reading()
+        if self.reading is None:
+            self.flow.pause_reading()  # nothing more to read (a body on its way still is)
         for link, _ in self.waiting:
             link._lost()
         self.waiting.clear()
