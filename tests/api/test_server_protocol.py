@@ -6,6 +6,8 @@ that fails or answers nothing, the graceful shutdown, and the config it refuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from mineru_gateway.api.connection import GatewayHttpProtocol
+from mineru_gateway.api.connection import MAX_HEAD_BYTES, GatewayHttpProtocol
 from tests.support.servers import ServerThread, serve, wait_until
 
 MISUSES: dict[str, list[dict[str, Any]]] = {
@@ -143,6 +145,23 @@ def test_a_malformed_request_is_answered_400_and_the_connection_closed() -> None
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     assert b"connection: close\r\n" in answer
     assert answer.endswith(b"\r\n\r\nInvalid HTTP request received.")
+
+
+def test_a_head_that_never_ends_is_refused_431_once_past_its_cap() -> None:
+    """The app refuses headers past 32 KiB once a head is complete; a head that goes on is
+    refused by the protocol at 1 MiB, before it ends, in the same OpenAI form."""
+    with server() as url, _connect(url) as client:
+        client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Flood: ")
+        sent = 0
+        with contextlib.suppress(ConnectionError):  # the server stops reading and closes
+            while sent < 4 * MAX_HEAD_BYTES:
+                client.sendall(b"a" * 65536)
+                sent += 65536
+        answer = _until_closed(client)
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert b"connection: close" in head.split(b"\r\n")
+    assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
 
 
 def test_a_malformed_request_after_a_good_one_ends_the_connection_after_its_answer() -> None:

@@ -35,6 +35,10 @@ and nothing the relay does not use is built. What uvicorn's protocol did and thi
 - an app that fails before answering gets a plain 500, one that fails mid-answer a closed
   connection.
 
+Added: a head that goes on past MAX_HEAD_BYTES (1 MiB) is refused, 431 in OpenAI's form, before
+it ends. uvicorn's httptools protocol held a head that never ended without bound, and the app's
+own limit (32 KiB by default) applies only once a head is complete.
+
 Not kept: uvicorn's access log (the gateway logs each request itself, with its request id), and
 its `root_path` and `limit_concurrency`, which `entry/server.py` does not set (admission is the
 gateway's flow control's): the protocol refuses a config with them rather than ignore them.
@@ -59,8 +63,14 @@ import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from mineru_gateway.errors import HeadersTooLarge
+
 EXTENSION = "mineru_gateway.client"
 HIGH_WATER = 64 * 1024  # unread request body bytes held before reading from the client pauses
+# A request's head (request line and headers) past this is refused before it is all in. The
+# app's own limit (api/limits.py, 32 KiB by default) answers heads below it; this one bounds
+# what a client can make the protocol hold while a head never ends.
+MAX_HEAD_BYTES = 1024 * 1024
 
 # uvicorn's own checks of header names and values.
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
@@ -370,6 +380,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
+        self._head_bytes: int | None = None  # read since a head began, None outside heads
         self._idle_since: float | None = None  # when the last answer ended, None while busy
         self._idle_timer: asyncio.TimerHandle | None = None
 
@@ -403,6 +414,10 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self._idle_since = None
         try:
             self.parser.feed_data(data)
+            if self._head_bytes is not None:  # a head not all in yet
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
         except httptools.HttpParserUpgrade:
             # An upgrade (WebSocket) was asked for: the request was served as a plain one, and
             # what follows it is not HTTP. The connection closes after the answer.
@@ -438,6 +453,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._expect_continue = False
+        self._head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -451,6 +467,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
         if self.closing:
             return  # parsed in the same read as the request that ends the connection
         parser = self.parser
@@ -571,12 +588,30 @@ class GatewayHttpProtocol(asyncio.Protocol):
     def _send_400(self) -> None:
         message = b"Invalid HTTP request received."
         log.warning(message.decode())
-        content = [STATUS_LINE[400]]
+        self._refuse(400, b"text/plain; charset=utf-8", message)
+
+    def _refuse_head(self) -> None:
+        """A head past MAX_HEAD_BYTES: refused as the app refuses one past its own limit, and
+        nothing more read from the connection."""
+        self._head_bytes = None
+        if self.answering is not None:
+            self._close_after_answer()  # a pipelined one: the answer before it goes out first
+            return
+        error = HeadersTooLarge(
+            f"the request's head is past {MAX_HEAD_BYTES} bytes before its end; this gateway "
+            "accepts at most MINERU_GATEWAY_MAX_HEADER_BYTES of headers"
+        )
+        self.flow.pause_reading()
+        self._refuse(error.status, b"application/json", error.body_bytes())
+
+    def _refuse(self, status: int, content_type: bytes, body: bytes) -> None:
+        """An answer before any request could be made of the bytes, then the connection closed."""
+        content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content += (name, b": ", value, b"\r\n")
         content += (
-            b"content-type: text/plain; charset=utf-8\r\n",
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(message), message),
+            b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
+            % (content_type, len(body), body),
         )
         self.transport.write(b"".join(content))
         self.transport.close()
