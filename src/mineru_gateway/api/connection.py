@@ -37,7 +37,8 @@ and nothing the relay does not use is built. What uvicorn's protocol did and thi
 
 Added: a head that goes on past MAX_HEAD_BYTES (1 MiB) is refused, 431 in OpenAI's form, before
 it ends. uvicorn's httptools protocol held a head that never ended without bound, and the app's
-own limit (32 KiB by default) applies only once a head is complete.
+own limit (32 KiB by default) applies only once a head is complete. The 400 and the 431 end with
+a lingering close (`_refuse`), so that a client still sending gets to read them.
 
 Not kept: uvicorn's access log (the gateway logs each request itself, with its request id), and
 its `root_path` and `limit_concurrency`, which `entry/server.py` does not set (admission is the
@@ -71,6 +72,7 @@ HIGH_WATER = 64 * 1024  # unread request body bytes held before reading from the
 # app's own limit (api/limits.py, 32 KiB by default) answers heads below it; this one bounds
 # what a client can make the protocol hold while a head never ends.
 MAX_HEAD_BYTES = 1024 * 1024
+LINGER_S = 2.0  # how long bytes are read and dropped after a refusal (`_refuse`)
 
 # uvicorn's own checks of header names and values.
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
@@ -601,11 +603,16 @@ class GatewayHttpProtocol(asyncio.Protocol):
             f"the request's head is past {MAX_HEAD_BYTES} bytes before its end; this gateway "
             "accepts at most MINERU_GATEWAY_MAX_HEADER_BYTES of headers"
         )
-        self.flow.pause_reading()
         self._refuse(error.status, b"application/json", error.body_bytes())
 
     def _refuse(self, status: int, content_type: bytes, body: bytes) -> None:
-        """An answer before any request could be made of the bytes, then the connection closed."""
+        """An answer before any request could be made of the bytes, then the connection closed.
+
+        For a client still sending: closing a socket with unread bytes makes
+        the kernel reset the connection, and a reset can destroy the answer before the client
+        reads it. So the answer is followed by the end of the stream, what still comes is read
+        and dropped, and the connection closes when the client does or LINGER_S later (what
+        nginx calls a lingering close)."""
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content += (name, b": ", value, b"\r\n")
@@ -613,8 +620,14 @@ class GatewayHttpProtocol(asyncio.Protocol):
             b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
             % (content_type, len(body), body),
         )
-        self.transport.write(b"".join(content))
-        self.transport.close()
+        transport = self.transport
+        transport.write(b"".join(content))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.parser = _DROP  # type: ignore[assignment]
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     # -- keep-alive ---------------------------------------------------------------------------
     def _idle(self) -> None:
@@ -641,6 +654,16 @@ class GatewayHttpProtocol(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+
+class _Drop:
+    """The parser of a connection whose bytes are no longer read: they are dropped."""
+
+    def feed_data(self, data: bytes) -> None:
+        pass
+
+
+_DROP = _Drop()
 
 
 def _address(found: Any) -> tuple[str, int] | None:
