@@ -1,4 +1,5 @@
-"""What the gateway's own work costs per small request, without the servers around it (issue 16).
+"""What the gateway costs per small request in-process: its server protocol and its own work,
+without sockets on the client's side (issue 16).
 
 The gateway's server protocol and app run in-process, on 16 keep-alive connections at a time, with
 the small request of `benchmarks.small_requests`: each request is handed to the protocol as the

@@ -78,9 +78,12 @@ LINGER_S = 2.0  # how long bytes are read and dropped after a refusal (`_refuse`
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_INTERNAL_ERROR = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21")]
+_INTERNAL_ERROR_HEADERS = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+]
 
-log = logging.getLogger("uvicorn.error")
+log = logging.getLogger("uvicorn.error")  # where uvicorn's protocol logged the same events
 
 Message = MutableMapping[str, Any]
 App = Callable[[MutableMapping[str, Any], Any, Any], Awaitable[None]]
@@ -571,7 +574,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
 
     def _internal_error(self, link: ClientLink) -> None:
         link.keep_alive = False
-        link._start(self, 500, _INTERNAL_ERROR)
+        link._start(self, 500, _INTERNAL_ERROR_HEADERS)
         self.transport.write(b"Internal Server Error")
         link._answered(self)
 
