@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -26,7 +25,7 @@ import pytest
 from mineru_gateway.api.app import create_app
 from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
 from mineru_gateway.config import GatewaySettings
-from tests.support.raw_http import chunk, content_length
+from tests.support.raw_http import chunk, connect, content_length, exchange
 from tests.support.servers import serve, wait_until
 from tests.support.workers import Script
 
@@ -78,17 +77,6 @@ def link_server(http: Any = GatewayHttpProtocol) -> Iterator[tuple[LinkApp, str]
         yield app, url
 
 
-def _raw(url: str, data: bytes, timeout: float = 10.0) -> bytes:
-    """Sends `data` and reads until the server closes the connection."""
-    parts = urlsplit(url)
-    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as client:
-        client.sendall(data)
-        answer = bytearray()
-        while chunk := client.recv(65536):
-            answer += chunk
-    return bytes(answer)
-
-
 def test_whole_answers_through_the_link_keep_the_connection_alive() -> None:
     with link_server() as (app, url), httpx.Client(base_url=url) as client:
         answers = [client.post(f"/a{n}", content=b"x" * 10) for n in range(3)]
@@ -108,7 +96,7 @@ def test_connection_close_is_honoured_and_pipelined_requests_answered_in_order()
         b"POST /second HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     )
     with link_server() as (_, url):
-        answer = _raw(url, requests)  # returns only because the server closed the connection
+        answer = exchange(url, requests)  # returns only because the server closed the connection
     first, second = answer.split(b"HTTP/1.1 200 OK\r\n")[1:]
     assert first.endswith(b"\r\n\r\n/first") and b"connection: close" not in first
     assert second.endswith(b"\r\n\r\n/second") and b"connection: close\r\n" in second
@@ -118,8 +106,7 @@ def test_a_lost_connection_is_reported_once_and_to_a_late_caller_at_once() -> No
     with link_server() as (app, url):
         for path in ("/wait", "/late"):
             app.lost.clear()
-            parts = urlsplit(url)
-            with socket.create_connection((parts.hostname, parts.port)) as client:
+            with connect(url) as client:
                 client.sendall(
                     f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
                 )
@@ -159,7 +146,7 @@ def test_an_answer_through_the_link_is_byte_for_byte_what_uvicorns_send_writes()
     answers = []
     for http in (GatewayHttpProtocol, "httptools"):
         with serve(SameAnswer(), http=http, lifespan="off") as url:
-            answer = _raw(url, requests)
+            answer = exchange(url, requests)
         answers.append(
             b"".join(
                 line for line in answer.splitlines(keepends=True) if not line.startswith(b"date: ")
@@ -264,11 +251,6 @@ def _closed() -> bytes:
     raise AssertionError("the gateway closed the connection")
 
 
-def _connect(url: str) -> socket.socket:
-    parts = urlsplit(url)
-    return socket.create_connection((parts.hostname, parts.port), timeout=10)
-
-
 @pytest.mark.parametrize("http", [GatewayHttpProtocol, "httptools"], ids=["link", "asgi"])
 def test_a_large_body_sent_in_pieces_reaches_the_worker_whole(
     scripted: tuple[Script, str], http: Any
@@ -277,7 +259,7 @@ def test_a_large_body_sent_in_pieces_reaches_the_worker_whole(
     connection: both reach the worker byte for byte."""
     script, worker = scripted
     body = _chat(400_000)
-    with _gateway(worker, http) as gateway, _connect(gateway) as client:
+    with _gateway(worker, http) as gateway, connect(gateway) as client:
         client.sendall(_post_head(len(body)))
         for start in range(0, len(body), 50_000):
             client.sendall(body[start : start + 50_000])
@@ -308,7 +290,7 @@ def test_a_chunked_body_is_taken_up_to_the_limit_and_refused_past_it(
             time.sleep(pause_s)
         client.sendall(b"0\r\n\r\n")
 
-    with _gateway(worker, http, max_body_bytes=100_000) as gateway, _connect(gateway) as client:
+    with _gateway(worker, http, max_body_bytes=100_000) as gateway, connect(gateway) as client:
         for pause_s in (0.0, 0.05):
             send_chunked(client, small, pause_s)
             [(status, _)] = _answers(client, 1)
@@ -331,7 +313,7 @@ def test_a_chunked_body_past_the_limit_in_the_heads_write_is_refused(
     against the limit."""
     script, worker = scripted
     large, small = _chat(20_000), _chat(2_000)
-    with _gateway(worker, http, max_body_bytes=10_000) as gateway, _connect(gateway) as client:
+    with _gateway(worker, http, max_body_bytes=10_000) as gateway, connect(gateway) as client:
         client.sendall(_post_head(None) + chunk(large) + b"0\r\n\r\n")
         [(status, answer)] = _answers(client, 1)
         client.sendall(_post_head(None) + chunk(small) + b"0\r\n\r\n")
@@ -346,7 +328,7 @@ def test_the_body_follows_100_continue(scripted: tuple[Script, str], http: Any) 
     told to go on, and its body then relayed."""
     script, worker = scripted
     body = _chat(200_000)
-    with _gateway(worker, http) as gateway, _connect(gateway) as client:
+    with _gateway(worker, http) as gateway, connect(gateway) as client:
         client.sendall(_post_head(len(body), "Expect: 100-continue\r\n"))
         assert _answers(client, 1) == [(100, b"")]
         client.sendall(body)
@@ -362,7 +344,7 @@ def test_a_client_leaving_mid_body_sends_nothing_to_the_worker(
     script, worker = scripted
     body = _chat(300_000)
     with _gateway(worker, http) as gateway:
-        with _connect(gateway) as client:
+        with connect(gateway) as client:
             client.sendall(_post_head(len(body)) + body[:100_000])
             time.sleep(0.2)
 
@@ -380,7 +362,7 @@ def test_pipelined_requests_with_bodies_are_answered_in_order(
 ) -> None:
     script, worker = scripted
     bodies = [_chat(size) for size in (100_000, 10, 70_000)]
-    with _gateway(worker, GatewayHttpProtocol) as gateway, _connect(gateway) as client:
+    with _gateway(worker, GatewayHttpProtocol) as gateway, connect(gateway) as client:
         client.sendall(b"".join(_post_head(len(body)) + body for body in bodies))
         answers = _answers(client, 3)
     assert [status for status, _ in answers] == [200, 200, 200]

@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from mineru_gateway.api.connection import MAX_HEAD_BYTES, GatewayHttpProtocol
+from tests.support.raw_http import connect, exchange, until_closed
 from tests.support.servers import ServerThread, serve, wait_until
 
 MISUSES: dict[str, list[dict[str, Any]]] = {
@@ -98,50 +97,31 @@ def server(app: App | None = None, **config: Any) -> Iterator[str]:
         yield url
 
 
-def _connect(url: str) -> socket.socket:
-    parts = urlsplit(url)
-    return socket.create_connection((parts.hostname, parts.port), timeout=10)
-
-
-def _until_closed(client: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection."""
-    answer = bytearray()
-    while chunk := client.recv(65536):
-        answer += chunk
-    return bytes(answer)
-
-
-def _exchange(url: str, data: bytes) -> bytes:
-    with _connect(url) as client:
-        client.sendall(data)
-        return _until_closed(client)
-
-
 def test_an_idle_connection_is_closed_after_the_keep_alive_timeout() -> None:
-    with server(timeout_keep_alive=0.5) as url, _connect(url) as client:
+    with server(timeout_keep_alive=0.5) as url, connect(url) as client:
         for _ in range(3):  # answers within the timeout keep it open
             client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
             assert client.recv(65536).endswith(b"GET /a 1.1")
             time.sleep(0.3)
         started = time.monotonic()
-        assert _until_closed(client) == b""
+        assert until_closed(client) == b""
         assert 0.1 < time.monotonic() - started < 3
 
 
 def test_a_connection_that_never_sends_is_closed_after_the_keep_alive_timeout() -> None:
-    with server(timeout_keep_alive=0.3) as url, _connect(url) as client:
-        assert _until_closed(client) == b""
+    with server(timeout_keep_alive=0.3) as url, connect(url) as client:
+        assert until_closed(client) == b""
 
 
 def test_a_request_longer_than_the_keep_alive_timeout_is_answered() -> None:
-    with server(timeout_keep_alive=0.2) as url, _connect(url) as client:
+    with server(timeout_keep_alive=0.2) as url, connect(url) as client:
         client.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
         assert client.recv(65536).endswith(b"GET /wait 1.1")
 
 
 def test_a_malformed_request_is_answered_400_and_the_connection_closed() -> None:
     with server() as url:
-        answer = _exchange(url, b"NOT HTTP AT ALL\r\n\r\n")
+        answer = exchange(url, b"NOT HTTP AT ALL\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
     assert b"connection: close\r\n" in answer
     assert answer.endswith(b"\r\n\r\nInvalid HTTP request received.")
@@ -150,14 +130,14 @@ def test_a_malformed_request_is_answered_400_and_the_connection_closed() -> None
 def test_a_head_that_never_ends_is_refused_431_once_past_its_cap() -> None:
     """The app refuses headers past 32 KiB once a head is complete; a head that goes on is
     refused by the protocol at 1 MiB, before it ends, in the same OpenAI form."""
-    with server() as url, _connect(url) as client:
+    with server() as url, connect(url) as client:
         client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\nX-Flood: ")
         sent = 0
         with contextlib.suppress(ConnectionError):  # the server stops reading and closes
             while sent < 4 * MAX_HEAD_BYTES:
                 client.sendall(b"a" * 65536)
                 sent += 65536
-        answer = _until_closed(client)
+        answer = until_closed(client)
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
     assert b"connection: close" in head.split(b"\r\n")
@@ -166,7 +146,7 @@ def test_a_head_that_never_ends_is_refused_431_once_past_its_cap() -> None:
 
 def test_a_malformed_request_after_a_good_one_ends_the_connection_after_its_answer() -> None:
     with server() as url:
-        answer = _exchange(url, b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+        answer = exchange(url, b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
     assert answer.count(b"HTTP/1.1 ") == 1
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /wait 1.1")
     assert b"connection: close\r\n" in answer
@@ -175,19 +155,19 @@ def test_a_malformed_request_after_a_good_one_ends_the_connection_after_its_answ
 def test_an_upgrade_request_is_served_as_a_plain_one_then_the_connection_closed() -> None:
     request = b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
     with server() as url:
-        answer = _exchange(url, request)
+        answer = exchange(url, request)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /ws 1.1")
 
 
 def test_http_1_0_is_answered_and_the_connection_closed() -> None:
     with server() as url:
-        answer = _exchange(url, b"GET /old HTTP/1.0\r\n\r\n")
+        answer = exchange(url, b"GET /old HTTP/1.0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /old 1.0")
     assert b"connection: close\r\n" in answer
 
 
 def test_head_gets_the_head_without_the_body() -> None:
-    with server() as url, _connect(url) as client:
+    with server() as url, connect(url) as client:
         client.sendall(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\nGET /g HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = b""
         while not answer.endswith(b"GET /g 1.1"):
@@ -207,7 +187,7 @@ def test_an_answer_without_a_length_goes_in_chunked_framing() -> None:
 def test_an_app_failing_before_its_answer_gives_a_plain_500_and_a_closed_connection() -> None:
     for path in ("/boom", "/nothing"):
         with server() as url:
-            answer = _exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
         assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n"), path
         assert b"connection: close\r\n" in answer
         assert answer.endswith(b"\r\n\r\nInternal Server Error")
@@ -215,7 +195,7 @@ def test_an_app_failing_before_its_answer_gives_a_plain_500_and_a_closed_connect
 
 def test_an_app_failing_mid_answer_closes_the_connection() -> None:
     with server() as url:
-        answer = _exchange(url, b"GET /boom-late HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = exchange(url, b"GET /boom-late HTTP/1.1\r\nHost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert answer.endswith(b"\r\n4\r\none,\r\n")  # no last chunk: the client sees it cut
 
@@ -225,7 +205,7 @@ def test_what_uvicorns_send_refuses_is_refused(path: str) -> None:
     """Refused before the head went out: a plain 500; after it: the connection closed."""
     app = App()
     with server(app) as url:
-        answer = _exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        answer = exchange(url, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert len(app.refused) == 1
     if MISUSES[path][0]["type"] == "http.response.start" and len(MISUSES[path]) > 1:
         assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b" 500 " not in answer
@@ -235,7 +215,7 @@ def test_what_uvicorns_send_refuses_is_refused(path: str) -> None:
 
 def test_an_app_returning_after_the_head_alone_closes_the_connection() -> None:
     with server() as url:
-        answer = _exchange(url, b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = exchange(url, b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert answer.endswith(b"transfer-encoding: chunked\r\n\r\n")  # and no body
 
@@ -251,22 +231,22 @@ def test_a_message_after_the_answer_is_refused_and_the_connection_goes_on() -> N
 def test_a_malformed_body_closes_the_connection_unanswered() -> None:
     request = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZZ\r\n"
     with server() as url:
-        assert _exchange(url, request) == b""
+        assert exchange(url, request) == b""
 
 
 def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answer() -> None:
     thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off", timeout_keep_alive=60)
     url = thread.start()
-    with _connect(url) as idle, _connect(url) as busy:
+    with connect(url) as idle, connect(url) as busy:
         idle.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
         assert idle.recv(65536).endswith(b"GET /a 1.1")
         busy.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(0.1)
         started = time.monotonic()
         thread.server.should_exit = True
-        assert _until_closed(idle) == b""
+        assert until_closed(idle) == b""
         assert time.monotonic() - started < 5  # not the keep-alive timeout's 60 s
-        answer = _until_closed(busy)
+        answer = until_closed(busy)
         thread.thread.join(timeout=10)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /wait 1.1")
     assert b"connection: close\r\n" in answer
@@ -275,13 +255,13 @@ def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answ
 def test_shutdown_lets_a_request_whose_body_is_on_its_way_finish() -> None:
     thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off")
     url = thread.start()
-    with _connect(url) as client:
+    with connect(url) as client:
         client.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
         time.sleep(0.1)
         thread.server.should_exit = True
         time.sleep(0.2)
         client.sendall(b"67890")
-        answer = _until_closed(client)
+        answer = until_closed(client)
         thread.thread.join(timeout=10)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"POST /upload 1.1")
     assert b"connection: close\r\n" in answer

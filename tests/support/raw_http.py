@@ -1,13 +1,16 @@
 """Raw HTTP/1.1 on real sockets, for tests that need bytes exactly where they want them: a
 server on 127.0.0.1 whose connections a test handles by hand, and the framing such a handler
-reads and writes. The gateway's own HTTP/1.1 client is tested against it (tests/workers)."""
+reads and writes (the gateway's own HTTP/1.1 client is tested against it, tests/workers); and a
+client's side, for the gateway's server protocol (tests/api)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -42,3 +45,24 @@ async def raw_server(handle: Handler, **options: Any) -> AsyncIterator[str]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def connect(url: str, timeout: float = 10.0) -> socket.socket:
+    """A blocking client connection to the server at `url` (http://host:port)."""
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+
+
+def until_closed(client: socket.socket) -> bytes:
+    """Everything the server sends on `client` until it closes the connection."""
+    answer = bytearray()
+    while chunk := client.recv(65536):
+        answer += chunk
+    return bytes(answer)
+
+
+def exchange(url: str, data: bytes) -> bytes:
+    """Sends `data` on a new connection and reads until the server closes it."""
+    with connect(url) as client:
+        client.sendall(data)
+        return until_closed(client)

@@ -63,6 +63,7 @@ from urllib.parse import unquote
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
 from mineru_gateway.errors import HeadersTooLarge
 
@@ -160,9 +161,7 @@ class ClientLink:
                 return
         if self.started:
             raise RuntimeError("the answer has already started")
-        content = [STATUS_LINE[status]]
-        for name, value in protocol.server_state.default_headers:
-            content += (name, b": ", value, b"\r\n")
+        content = _head_start(status, protocol.server_state.default_headers)
         for name, value in headers:
             if _BAD_VALUE.search(value):
                 raise RuntimeError(f"invalid value of header {name!r}")
@@ -254,10 +253,10 @@ class ClientLink:
     def _start(self, protocol: GatewayHttpProtocol, status: int, headers: Any) -> None:
         """Writes the head of an answer given through `send`; raises, with nothing written, on
         a header uvicorn would refuse."""
-        content = [STATUS_LINE[status]]
+        content = _head_start(status, protocol.server_state.default_headers)
         length: int | None = None
         chunked = close = False
-        for name, value in (*protocol.server_state.default_headers, *headers):
+        for name, value in headers:
             if _BAD_NAME.search(name):
                 raise RuntimeError(f"invalid header name {name!r}")
             if _BAD_VALUE.search(value):
@@ -375,7 +374,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.flow: FlowControl = None  # type: ignore[assignment]
-        self.server: tuple[str, int] | None = None
+        self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
         self.answering: ClientLink | None = None  # the request being answered
@@ -394,9 +393,9 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self.server_state.connections.add(self)
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         self.flow = FlowControl(transport)
-        self.server = _address(transport.get_extra_info("sockname"))
-        self.client = _address(transport.get_extra_info("peername"))
-        if transport.get_extra_info("sslcontext") is not None:
+        self.server = get_local_addr(transport)
+        self.client = get_remote_addr(transport)
+        if is_ssl(transport):
             self.scheme = "https"
         self._idle()
 
@@ -616,9 +615,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         reads it. So the answer is followed by the end of the stream, what still comes is read
         and dropped, and the connection closes when the client does or LINGER_S later (what
         nginx calls a lingering close)."""
-        content = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            content += (name, b": ", value, b"\r\n")
+        content = _head_start(status, self.server_state.default_headers)
         content += (
             b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
             % (content_type, len(body), body),
@@ -669,8 +666,10 @@ class _Drop:
 _DROP = _Drop()
 
 
-def _address(found: Any) -> tuple[str, int] | None:
-    """A socket's address as ASGI's scope gives it; None for a Unix socket's."""
-    if isinstance(found, tuple) and len(found) >= 2:
-        return str(found[0]), int(found[1])
-    return None
+def _head_start(status: int, default_headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """An answer's status line and the server's default headers (`date`, `server`), as the
+    pieces of a head the caller goes on to add to and join."""
+    content = [STATUS_LINE[status]]
+    for name, value in default_headers:
+        content += (name, b": ", value, b"\r\n")
+    return content
