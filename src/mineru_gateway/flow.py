@@ -48,7 +48,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mineru_gateway.routing import LoadModel, WorkerView
 
@@ -134,7 +134,7 @@ class Ticket:
     size: int  # bytes held while queued
     enqueued_at: float
     model: str | None = None
-    handle: object = None
+    handle: Any = None  # Any: mypyc (setup.py) cannot build a dataclass field typed object
     queued: bool = False
 
     @property

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import ClassVar, Literal, Protocol, get_args
 
 from mineru_gateway.values import value
 
@@ -76,7 +76,7 @@ class WorkerView:
 
 
 class RoutingPolicy(Protocol):
-    name: str
+    name: ClassVar[str]
 
     def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
         """Picks one of `candidates` (never empty: see `candidates_for`)."""
@@ -97,7 +97,7 @@ class LeastInflight:
     Random tie-breaking matters: picking the first of equals sends every burst to worker 0.
     """
 
-    name = "least_inflight"
+    name: ClassVar[str] = "least_inflight"
 
     def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
         fewest = min(view.in_flight for view in candidates)
@@ -107,7 +107,7 @@ class LeastInflight:
 class RoundRobin:
     """Each worker in turn, whatever its load. Keeps only a cursor, no knowledge of workers."""
 
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
 
     def __init__(self) -> None:
         self._cursor = 0
@@ -158,7 +158,7 @@ class LoadModel:
 class QueueLength:
     """The least loaded worker by `LoadModel.score`; ties broken at random."""
 
-    name = "queue"
+    name: ClassVar[str] = "queue"
 
     def __init__(self, model: LoadModel | None = None) -> None:
         self.model = model or LoadModel()
@@ -174,7 +174,7 @@ class PowerOfTwoChoices:
     draw itself is random.
     """
 
-    name = "p2c"
+    name: ClassVar[str] = "p2c"
 
     def __init__(self, model: LoadModel | None = None) -> None:
         self.model = model or LoadModel()

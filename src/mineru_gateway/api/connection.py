@@ -479,6 +479,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         version = parser.get_http_version()
         url = httptools.parse_url(self._url)
         path = url.path.decode("ascii")
+        query: bytes | None = cast(Any, url).query  # None without one; its stub says bytes
         if "%" in path:
             path = unquote(path)
         link = ClientLink(
@@ -498,7 +499,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
             "root_path": "",
             "path": path,
             "raw_path": url.path,
-            "query_string": url.query or b"",
+            "query_string": query or b"",
             "headers": self._headers,
             "state": self.app_state.copy(),
             "extensions": {EXTENSION: link},

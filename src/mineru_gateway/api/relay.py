@@ -355,13 +355,13 @@ class Relay:
             refused = not isinstance(error, UpstreamConnectTimeout)
             outcome = Outcome.failed("connect_error", str(error), eject_now=refused)
             raise _Retry("connect_error", error) from None
-        except UpstreamError as error:
+        except UpstreamError as broken:  # compiled (setup.py): one name, one type per function
             if exchange.status is None:
                 # A dropped connection before any answer: a dead worker, or a keep-alive
                 # connection it had closed. Nothing reached the client; try another worker.
-                outcome = Outcome.failed("upstream_disconnect", str(error))
-                raise _Retry("upstream_disconnect", error) from None
-            outcome = Outcome.failed("stream_broken", str(error))
+                outcome = Outcome.failed("upstream_disconnect", str(broken))
+                raise _Retry("upstream_disconnect", broken) from None
+            outcome = Outcome.failed("stream_broken", str(broken))
             raise
         finally:
             if upstream is not None:

@@ -1,0 +1,32 @@
+"""The compiled build's module list (setup.py): `make test-compiled` runs the tests again against
+it, and conftest.py refuses a run where the build is not the one imported."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from setup import COMPILED, compiled_modules
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mineru_gateway"
+
+
+def test_every_compiled_module_exists_and_imports() -> None:
+    assert len(set(COMPILED)) == len(COMPILED)
+    for path in COMPILED:
+        assert (SRC / path).is_file(), path
+    for name in compiled_modules():
+        assert importlib.import_module(name).__name__ == name
+
+
+def test_the_request_paths_modules_are_compiled() -> None:
+    names = set(compiled_modules())
+    # A request's way through the gateway: server protocol, relay, parsing, admission, routing,
+    # the worker's client, accounting.
+    for name in ("api.connection", "api.relay", "api.requests", "flow", "routing"):
+        assert f"mineru_gateway.{name}" in names
+    for name in ("workers.dispatcher", "workers.registry", "workers.http1", "api.accounting"):
+        assert f"mineru_gateway.{name}" in names
+    # FastAPI reads its endpoints' signatures; an async generator is not compiled by mypyc.
+    assert "mineru_gateway.api.app" not in names
+    assert "mineru_gateway.workers.upstream" not in names
