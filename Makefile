@@ -72,7 +72,7 @@ compiled: install
 ## the pure run: compiled code is not traced). conftest.py checks the build is the one imported.
 COMPILED_TESTS ?= tests/api tests/workers/test_dispatcher.py tests/workers/test_registry.py \
 	tests/workers/test_http1.py tests/test_flow.py tests/test_routing.py tests/test_cost.py \
-	tests/test_errors.py tests/test_metrics.py tests/faults
+	tests/test_errors.py tests/test_metrics.py tests/test_compiled_build.py tests/faults
 TEST_COMPILED = PYTHONPATH=build/compiled/src MINERU_GATEWAY_EXPECT_COMPILED=1 \
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 	$(BIN)/pytest -p no:cacheprovider --no-cov $(COMPILED_TESTS) $(PYTEST_ARGS)
@@ -162,26 +162,30 @@ wrk-nginx:
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
 
 ## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
-## processes), vllm-router, nginx and a bare Python relay (about 3 minutes; Debian's nginx and wrk).
+## processes; the compiled build as `gateway@compiled`), vllm-router, nginx and bare Python relays
+## (about 4 minutes; Debian's nginx and wrk).
 ## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
-bench-small-requests: install vllm-router wrk-nginx
-	$(BIN)/python -m benchmarks.small_requests --out benchmarks/results/small_requests.json
+bench-small-requests: install vllm-router wrk-nginx compiled
+	$(BIN)/python -m benchmarks.small_requests --candidate compiled=build/compiled \
+		--out benchmarks/results/small_requests.json
 
 ## The same with a 300 KB PNG page image in every request, as MinerU sends pages (about 3
 ## minutes). Results: benchmarks/results/small_requests_image.*
-bench-page-images: install vllm-router wrk-nginx
+bench-page-images: install vllm-router wrk-nginx compiled
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-link,floor-raw \
-		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
+		--candidate compiled=build/compiled --image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
 
 ## CPU per relayed token event against vllm-router and nginx, upstreams streaming 64 events per
 ## answer at vLLM's pace (every stream's next event every 2 ms): 64 streams, then 256 (saturated;
 ## with `--processes 2` too). About 5 minutes. Results: benchmarks/results/streamed_events*.*
-bench-streamed-events: install vllm-router wrk-nginx
+bench-streamed-events: install vllm-router wrk-nginx compiled
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx \
-		--stream-events 64 --event-gap-ms 2 --connections 64 --rounds 3 \
+		--candidate compiled=build/compiled --stream-events 64 --event-gap-ms 2 --connections 64 \
+		--rounds 3 \
 		--out benchmarks/results/streamed_events.json
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,gateway-processes,vllm-router,nginx \
-		--stream-events 64 --event-gap-ms 2 --connections 256 --rounds 3 \
+		--candidate compiled=build/compiled --stream-events 64 --event-gap-ms 2 --connections 256 \
+		--rounds 3 \
 		--out benchmarks/results/streamed_events_saturated.json
 
 ## The gateway's own work per small request, its app called in-process against instant upstreams:
@@ -189,13 +193,14 @@ bench-streamed-events: install vllm-router wrk-nginx
 ## changes), and the same for relaying alone (the floor); then with 8 workers, as on an Atlas
 ## box (routing looks at every worker). About 12 minutes.
 ## Results: benchmarks/results/request_path.* and request_path_atlas.*
-bench-request-path: install
+bench-request-path: install compiled
 	@command -v valgrind >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends valgrind >/dev/null; }
 	$(BIN)/python -m benchmarks.request_path --instructions --floor \
-		--out benchmarks/results/request_path.json
+		--candidate compiled=build/compiled --out benchmarks/results/request_path.json
 	$(BIN)/python -m benchmarks.request_path --instructions --workers 8 \
+		--candidate compiled=build/compiled \
 		--out benchmarks/results/request_path_atlas.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1

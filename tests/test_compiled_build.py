@@ -4,9 +4,12 @@ it, and conftest.py refuses a run where the build is not the one imported."""
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 from setup import COMPILED, compiled_modules
+
+from mineru_gateway.api.app import compiled_build
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mineru_gateway"
 
@@ -30,3 +33,9 @@ def test_the_request_paths_modules_are_compiled() -> None:
     # FastAPI reads its endpoints' signatures; an async generator is not compiled by mypyc.
     assert "mineru_gateway.api.app" not in names
     assert "mineru_gateway.workers.upstream" not in names
+
+
+def test_the_gateway_knows_which_build_it_runs() -> None:
+    # Logged at start (`gateway_started ... compiled=`): which build an image really runs.
+    expected = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"
+    assert compiled_build() is expected
