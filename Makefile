@@ -75,7 +75,7 @@ COMPILED_TESTS ?= tests/api tests/workers/test_dispatcher.py tests/workers/test_
 	tests/test_errors.py tests/test_metrics.py tests/test_compiled_build.py tests/faults
 TEST_COMPILED = PYTHONPATH=build/compiled/src MINERU_GATEWAY_EXPECT_COMPILED=1 \
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
-	$(BIN)/pytest -p no:cacheprovider --no-cov $(COMPILED_TESTS) $(PYTEST_ARGS)
+	$(BIN)/pytest -p no:cacheprovider --no-cov -m "not vllm" $(COMPILED_TESTS) $(PYTEST_ARGS)
 test-compiled: system-deps vllm compiled
 	$(TEST_COMPILED)
 
