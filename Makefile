@@ -59,7 +59,7 @@ test: lint typecheck system-deps vllm compiled
 
 ## The compiled build (setup.py: the request path's modules as C extensions, which the gateway
 ## image ships) installed apart, into build/compiled/src: the editable install stays pure Python.
-## About 2 minutes.
+## build/ is the setuptools build's and this target's alone. About a minute.
 compiled: install
 	@command -v cc >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
