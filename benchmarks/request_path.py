@@ -85,6 +85,9 @@ class _Client:
     def is_closing(self) -> bool:
         return False
 
+    def can_write_eof(self) -> bool:
+        return False  # a refused request (400, 431) is closed at once, not lingered on
+
     def close(self) -> None:
         pass
 

@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     pure = [
         name
         for name in compiled_modules()
-        if not str(importlib.import_module(name).__file__).endswith(".so")
+        if str(importlib.import_module(name).__file__).endswith(".py")
     ]
     if pure:
         raise pytest.UsageError(f"the compiled build is not the one imported: {pure} are not")
