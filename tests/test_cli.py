@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mineru_gateway.entry.cli import build_parser, main, settings_from_args
-from mineru_gateway.testing import free_port, wait_http_ok, wait_until
+from mineru_gateway.testing import free_port, free_port_block, wait_http_ok, wait_until
 from tests.support.servers import CliProcess
 
 
@@ -77,7 +77,7 @@ def test_sim_serves_and_exits_0_on_sigterm() -> None:
 
 
 def test_up_serves_through_its_workers_and_stops_them_all_on_ctrl_c(tmp_path: Path) -> None:
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_port_block(2)  # two workers: base and base + 1
     up = CliProcess.mineru_gateway(
         "up",
         "--workers",
