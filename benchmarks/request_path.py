@@ -19,7 +19,10 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
 `--candidate NAME=DIR` measures the gateway from DIR/src too (a worktree of another commit).
 `--workers N` starts N upstreams instead of 2 (routing's work grows with the workers).
 `--image-kb N` sends a page image of about N KB in every request instead (MinerU's page
-requests). `--floor` adds the same harness around relaying alone (`_floor`, on the same server
+requests). `--stream-events N` streams every answer instead, as N token events
+`--event-gap-ms` apart (20 by default: under callgrind, 50 times slower, each event still comes
+in a read of its own, as on a real machine), so that the figure is a stream's: its request, its
+events through the splice, its end. `--floor` adds the same harness around relaying alone (`_floor`, on the same server
 protocol: the body read, a worker taken in turn, the gateway's client, the answer written
 through the link), so that the gateway's own work is its figure less the floor's.
 
@@ -60,22 +63,30 @@ REPO = Path(__file__).resolve().parents[1]
 class _Client:
     """A client's keep-alive connection to the gateway's server protocol, in-process: requests
     are handed to the protocol as the bytes a socket would deliver, and what it writes back is
-    the answer (each answer here is written whole, in one write)."""
+    the answer: a sized answer in one write, a streamed one (chunked) up to its last chunk."""
 
     def __init__(self, protocol: Any) -> None:
         self._answer: asyncio.Future[bytes] | None = None
+        self._parts: list[bytes] = []
+        self._chunked = False
         self._protocol = protocol
         protocol.connection_made(self)
 
     async def request(self, raw: bytes) -> bytes:
         self._answer = asyncio.get_running_loop().create_future()
+        self._parts = []
         self._protocol.data_received(raw)
         return await self._answer
 
     # What the protocol uses of its transport.
     def write(self, data: bytes) -> None:
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_result(data)
+        if self._answer is None or self._answer.done():
+            return
+        if not self._parts:  # the head: this harness's own work is kept off the events
+            self._chunked = data.lower().find(b"transfer-encoding: chunked") >= 0
+        self._parts.append(data)
+        if not self._chunked or data.endswith(b"0\r\n\r\n"):
+            self._answer.set_result(b"".join(self._parts))
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(
@@ -99,7 +110,12 @@ class _Client:
 
 
 async def _run(
-    upstreams: Sequence[str], requests: int, warmup: int, floor: bool = False, image_kb: int = 0
+    upstreams: Sequence[str],
+    requests: int,
+    warmup: int,
+    floor: bool = False,
+    image_kb: int = 0,
+    stream: bool = False,
 ) -> dict[str, Any]:
     import uvicorn
     from uvicorn.server import ServerState
@@ -111,7 +127,7 @@ async def _run(
 
     configure_logging("warning", "json")
     app = create_app(GatewaySettings(workers=list(upstreams), log_level="warning"))
-    body = chat_body(MODEL, image_kb=image_kb)
+    body = chat_body(MODEL, image_kb=image_kb, stream=stream)
     raw = (
         b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%b" % (CHAT.encode(), len(body), body)
@@ -138,7 +154,8 @@ async def _run(
         async def loop(client: _Client, count: int) -> None:
             for _ in range(count):
                 answer = await client.request(raw)
-                answered.append(int(answer.startswith(b"HTTP/1.1 200 ")))
+                whole = not stream or answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+                answered.append(int(answer.startswith(b"HTTP/1.1 200 ") and whole))
 
         await asyncio.gather(*(loop(client, warmup // CONCURRENCY) for client in clients))
         answered.clear()
@@ -200,19 +217,24 @@ def child(argv: Sequence[str]) -> None:
     parser.add_argument("--warmup", type=int, default=1600)
     parser.add_argument("--floor", action="store_true")
     parser.add_argument("--image-kb", type=int, default=0)
+    parser.add_argument("--stream", action="store_true")
     args = parser.parse_args(argv)
     urls = args.upstreams.split(",")
-    result = uvloop.run(_run(urls, args.requests, args.warmup, args.floor, args.image_kb))
+    result = uvloop.run(
+        _run(urls, args.requests, args.warmup, args.floor, args.image_kb, args.stream)
+    )
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 
 # -- the parent: upstreams, runs, differences ------------------------------------------------
 @contextlib.contextmanager
-def upstreams(count: int = 2) -> Iterator[list[str]]:
-    """`count` of `benchmarks.small_requests`' instant upstreams, stopped on exit."""
+def upstreams(count: int = 2, events: int = 0, gap_ms: float = 0) -> Iterator[list[str]]:
+    """`count` of `benchmarks.small_requests`' instant upstreams, stopped on exit; with
+    `events`, streaming every answer as that many token events, `gap_ms` apart."""
     procs = Processes(Path(tempfile.mkdtemp(prefix="request-path-bench-")))
+    extra = ["--events", str(events), "--gap-ms", str(gap_ms)] if events else []
     try:
-        yield [url for url, _ in upstream.start(procs, MODEL, count)]
+        yield [url for url, _ in upstream.start(procs, MODEL, count, extra=extra)]
     finally:
         procs.stop_all()
 
@@ -325,6 +347,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--floor", action="store_true", help="measure relaying alone too")
     parser.add_argument("--image-kb", type=int, default=0, help="a page image of about this size")
     parser.add_argument("--workers", type=int, default=2, help="upstreams (an Atlas box has 8)")
+    parser.add_argument(
+        "--stream-events", type=int, default=0, help="stream every answer as N token events"
+    )
+    parser.add_argument(
+        "--event-gap-ms",
+        type=float,
+        default=20,
+        help="between a stream's events: long enough for each to be read alone under callgrind",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sources = {"gateway": REPO}
@@ -332,11 +363,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         name, _, directory = candidate.partition("=")
         sources[f"gateway@{name}"] = Path(directory).resolve()
     extra = ["--image-kb", str(args.image_kb)] if args.image_kb else []
+    extra += ["--stream", "--warmup", "160"] if args.stream_events else []
     trees = [(name, source, extra) for name, source in sources.items()]
     if args.floor:
         trees.append(("floor", REPO, [*extra, "--floor"]))
     gateways = {}
-    with upstreams(args.workers) as urls:
+    with upstreams(args.workers, args.stream_events, args.event_gap_ms) as urls:
         for name, source, child_args in trees:
             gateways[name] = measure(
                 source, urls, args.requests, instructions=args.instructions, extra=child_args
@@ -348,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "commit": git_commit(),
         "body_bytes": len(chat_body(MODEL, image_kb=args.image_kb)),
         "workers": args.workers,
+        "stream_events": args.stream_events,
         "gateways": gateways,
     }
     print(markdown(results))

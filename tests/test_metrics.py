@@ -89,13 +89,14 @@ def test_metrics_after_real_traffic(start_sim: StartSim, start_gateway: StartGat
 def test_histogram_exports_cumulative_buckets() -> None:
     histogram = Histogram("h_seconds", "doc", ("a",), (0.1, 1.0))
     series = histogram.series("x")
-    for value in (0.05, 0.5, 0.5, 5.0):
+    # A value on a bound is in that bound's bucket (Prometheus's le: less or equal).
+    for value in (0.05, 0.1, 0.5, 0.5, 1.0, 5.0):
         series.observe(value)
     family = histogram.collect()
     by_bound = {s.labels.get("le"): s.value for s in family.samples if s.name == "h_seconds_bucket"}
-    assert by_bound == {"0.1": 1, "1.0": 3, "+Inf": 4}
+    assert by_bound == {"0.1": 2, "1.0": 5, "+Inf": 6}
     count = [s.value for s in family.samples if s.name == "h_seconds_count"]
-    assert count == [4]
+    assert count == [6]
 
 
 def test_counter_adds_per_label_set() -> None:

@@ -38,6 +38,14 @@ def test_page_image_requests_are_answered_too() -> None:
     assert all(64_000 < run["body_bytes"] < 100_000 for run in figures["runs"])  # base64: 4/3
 
 
+def test_streamed_requests_are_answered_to_their_last_event() -> None:
+    # Answered: a 200 whose chunked body ends with [DONE] and the last chunk.
+    with upstreams(2, events=8, gap_ms=5) as urls:
+        extra = ["--stream", "--warmup", "16"]
+        figures = measure(REPO, urls, 16, instructions=False, extra=extra)
+    assert [(run["requests"], run["answered"]) for run in figures["runs"]] == [(160, 160), (480, 480)]
+
+
 def test_figures_per_request_are_what_the_longer_run_added() -> None:
     short = {"requests": 100, "cpu_s": 1.0, "instructions": 5_000_000}
     long = {"requests": 300, "cpu_s": 1.4, "instructions": 9_000_000}

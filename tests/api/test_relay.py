@@ -330,3 +330,43 @@ def test_an_exchange_records_each_field_under_its_own_name() -> None:
     assert (record.tenant, record.priority, record.queued_s) == ("team", 4, 0.5)
     none = Exchange(send, "r2", "completions").record(None, "invalid_request")
     assert (none.model, none.stream, none.cost, none.prompt_tokens) == (None, None, None, None)
+
+
+def test_a_streams_usage_is_read_from_its_last_chunks_and_tokens_from_every_chunk() -> None:
+    """The usage of a stream comes from its last usage event (vLLM's, before [DONE]), whether
+    each event came as a chunk of its own or several were joined into one; the stream's own
+    count stands when no usage came."""
+    from mineru_gateway.api.relay import Exchange
+    from mineru_gateway.api.requests import parse_request
+
+    async def send(message: object) -> None:
+        raise AssertionError("nothing is sent")
+
+    def event(payload: dict[str, object]) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def token(text: str, usage: dict[str, int] | None = None) -> bytes:
+        delta = {"choices": [{"index": 0, "delta": {"content": text}}]}
+        return event(delta | ({"usage": usage} if usage else {}))
+
+    done = b"data: [DONE]\n\n"
+    final = event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+    request = parse_request("chat", orjson.dumps(chat_body(stream=True)))
+
+    def record(*chunks: bytes) -> tuple[int, int | None]:
+        exchange = Exchange(send, "rid", "chat")
+        exchange.streaming = True
+        for chunk in chunks:
+            exchange.note(chunk)
+        kept = exchange.record(request, "ok")
+        return kept.completion_tokens, kept.prompt_tokens
+
+    assert record(token("a"), token("b"), token("c"), final, done) == (3, 5)
+    assert record(token("a") + token("b") + token("c") + final + done) == (3, 5)
+    assert record(token("a"), token("b"), final + done) == (3, 5)
+    # Usage with every chunk (vLLM's continuous_usage_stats): the last one is the answer's.
+    running = [token(t, {"prompt_tokens": 5, "completion_tokens": n}) for n, t in enumerate("ab")]
+    assert record(*running, final, done) == (3, 5)
+    assert record(*running) == (1, 5)  # cut short: what the last event said
+    # No usage asked for: the tokens counted in the stream.
+    assert record(token("a"), token("b"), done) == (2, None)

@@ -68,8 +68,11 @@ class Exchange:
 
     __slots__ = (
         "_itl",
+        "_last",
         "_link",
+        "_marker",
         "_send",
+        "_tail",
         "attempts",
         "complete",
         "endpoint",
@@ -107,7 +110,11 @@ class Exchange:
         self.last_chunk = 0.0
         self.finished: float | None = None
         self.tokens = 0  # counted from the stream
-        self.usage: dict[str, Any] | None = None
+        self._marker = TOKEN_MARKERS[endpoint]
+        # A stream's last two chunks: vLLM's usage event is the last before [DONE], read from
+        # them once the stream is over (`usage`) rather than looked for in every event.
+        self._tail = self._last = b""
+        self.usage: dict[str, Any] | None = None  # a non-streamed answer's
         self.tenant = ""
         self.priority = 0
         self.queued_s = 0.0
@@ -138,17 +145,22 @@ class Exchange:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
 
     def note(self, data: bytes) -> float:
-        """Bookkeeping for a body chunk going out: timing, tokens, usage; its time."""
+        """Bookkeeping for a body chunk going out, once per relayed event: timing, tokens, the
+        chunk kept as one of the last two; its time."""
         now = time.perf_counter()
         if self.first_chunk is None:
             self.first_chunk = now
         elif self._itl is not None:
             self._itl.observe(now - self.last_chunk)
         self.last_chunk = now
-        self.tokens += data.count(TOKEN_MARKERS[self.endpoint])
-        if USAGE_MARKER in data:
-            self.usage = _stream_usage(data) or self.usage
+        self.tokens += data.count(self._marker)
+        self._tail, self._last = self._last, data
         return now
+
+    def stream_usage(self) -> dict[str, Any] | None:
+        """The usage object of a stream's last usage event (vLLM's, before [DONE]), if one of
+        its last two chunks carries one."""
+        return _stream_usage(self._last) or _stream_usage(self._tail)
 
     def direct_sink(self) -> DirectSink | None:
         """Where the rest of a started stream may be written below ASGI (api/connection.py)."""
@@ -197,7 +209,7 @@ class Exchange:
 
     def record(self, request: ParsedRequest | None, outcome: str) -> ExchangeRecord:
         """The finished exchange, for accounting."""
-        usage = self.usage or {}
+        usage = self.usage or self.stream_usage() or {}
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
         # Positional: with 19 keyword arguments, building the record cost three times as much
@@ -339,11 +351,15 @@ class Relay:
             context.metrics.time_to_upstream.series(request.model or "").observe(
                 exchange.upstream_sent - exchange.received
             )
-        upstream: UpstreamResponse | None = None
         outcome: Outcome | None = SUCCESS  # None: the attempt says nothing about the worker
         try:
+            # Not `upstream: UpstreamResponse | None = None` with a `finally` that tests it:
+            # compiled (setup.py), such a variable read after a failed await is a TypeError.
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
-            await _relay_response(upstream, exchange, context.metrics, request, lease)
+            try:
+                await _relay_response(upstream, exchange, context.metrics, request, lease)
+            finally:
+                upstream.close()
             if upstream.status >= 500:
                 outcome = Outcome.failed("status_5xx", f"answered {upstream.status}")
         except (UpstreamTimeout, asyncio.CancelledError):
@@ -364,8 +380,6 @@ class Relay:
             outcome = Outcome.failed("stream_broken", str(broken))
             raise
         finally:
-            if upstream is not None:
-                upstream.close()
             if outcome is not None:
                 context.registry.report(worker, outcome)
 
@@ -457,9 +471,11 @@ def _body_usage(body: bytes) -> dict[str, Any] | None:
 
 
 def _stream_usage(data: bytes) -> dict[str, Any] | None:
-    """The usage object of the SSE event in `data` that carries one (vLLM's last chunk)."""
-    for event in data.split(b"\n\n"):
-        if USAGE_MARKER in event and event.startswith(b"data: "):
+    """The usage object of the last SSE event in `data` that carries one."""
+    if data.find(USAGE_MARKER) < 0:  # not `in`: bytes' `in` tries an int first and fails
+        return None
+    for event in reversed(data.split(b"\n\n")):
+        if event.startswith(b"data: ") and event.find(USAGE_MARKER) >= 0:
             usage = _body_usage(event[6:])
             if usage is not None:
                 return usage

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from mineru_gateway.workers.http1 import (
     Sink,
 )
 
-__all__ = ["KEEPALIVE_S", "Sink", "Timeouts", "UpstreamClient", "UpstreamResponse"]
+__all__ = ["KEEPALIVE_S", "Chunks", "Sink", "Timeouts", "UpstreamClient", "UpstreamResponse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class _Watchdog:
     from sending, and that is not its silence (issue 14's slow-reader fault test: a stream read
     slower than the idle limit was cut, and the cut taken for a client disconnect). The timer
     fires only while waiting, so its cancellation always lands in the worker read that
-    `iter_chunks` turns into UpstreamTimeout.
+    `Chunks` turns into UpstreamTimeout.
 
     `asyncio.timeout(...).reschedule()` per chunk costs a timer handle each time (~3 us, a few
     percent of the relay's whole cost per event); this timer is re-armed only when it fires.
@@ -118,11 +118,12 @@ class UpstreamResponse:
     that nobody waits for the answer any more, and vLLM then aborts the generation.
     """
 
-    __slots__ = ("_answer", "_timeouts", "content_type", "status")
+    __slots__ = ("_answer", "_chunks", "_timeouts", "content_type", "status")
 
     def __init__(self, answer: Answer, timeouts: Timeouts) -> None:
         self._answer = answer
         self._timeouts = timeouts
+        self._chunks: Chunks | None = None
         self.status = answer.status
         self.content_type = answer.content_type
 
@@ -142,37 +143,78 @@ class UpstreamResponse:
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
 
-    async def iter_chunks(self, sink: Sink | None = None) -> AsyncIterator[bytes]:
-        """Yields body bytes as they arrive, never waiting to merge them.
-
-        The first chunk may take as long as queueing plus prefill (`first_byte_s`); after it, a
-        silence longer than `idle_s` ends the stream with UpstreamTimeout.
-
-        With a `sink`, whenever it is ready (the consumer has started its answer and its client
-        takes bytes), the body goes to the sink straight from the connection's read callback
-        instead (`Answer.splice`), and only what the sink could not take is yielded.
-        """
-        answer = self._answer
-        watchdog = _Watchdog(self._timeouts.first_byte_s, self._timeouts.idle_s)
-        try:
-            while chunk := await answer.read_some():
-                watchdog.arrived()
-                yield chunk
-                watchdog.waiting()
-                if sink is not None and sink.ready():
-                    watchdog.splicing(sink)
-                    await answer.splice(sink)
-        except asyncio.CancelledError:
-            if watchdog.expire_cancel():
-                raise UpstreamTimeout("worker stream went silent") from None
-            raise
-        except BROKEN_BODY as exc:
-            raise UpstreamError(f"worker connection failed mid-stream: {exc}") from exc
-        finally:
-            watchdog.stop()
+    def iter_chunks(self, sink: Sink | None = None) -> Chunks:
+        """The body as it arrives, for `async for` (`Chunks`)."""
+        self._chunks = Chunks(self._answer, self._timeouts, sink)
+        return self._chunks
 
     def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks.stop()
         self._answer.close()
+
+
+class Chunks:
+    """A streamed body's bytes as they arrive (`async for`), never waiting to merge them.
+
+    The first chunk may take as long as queueing plus prefill (`first_byte_s`); after it, a
+    silence longer than `idle_s` ends the stream with UpstreamTimeout.
+
+    With a `sink`, whenever it is ready (the consumer has started its answer and its client
+    takes bytes), the body goes to the sink straight from the connection's read callback
+    instead (`Answer.splice`), and only what the sink could not take is yielded.
+
+    An iterator class rather than an async generator so that it compiles (setup.py) like the
+    rest of a stream's path; the watchdog stops at the end, at an error, or when the response
+    is closed (`UpstreamResponse.close`), whichever comes first.
+    """
+
+    __slots__ = ("_answer", "_sink", "_timeouts", "_watchdog")
+
+    def __init__(self, answer: Answer, timeouts: Timeouts, sink: Sink | None) -> None:
+        self._answer = answer
+        self._timeouts = timeouts
+        self._sink = sink
+        self._watchdog: _Watchdog | None = None
+
+    def __aiter__(self) -> Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        watchdog = self._watchdog
+        try:
+            if watchdog is None:  # the first chunk, in the task that reads them
+                watchdog = self._watchdog = _Watchdog(
+                    self._timeouts.first_byte_s, self._timeouts.idle_s
+                )
+            else:  # the consumer has taken the last chunk
+                watchdog.waiting()
+                sink = self._sink
+                if sink is not None and sink.ready():
+                    watchdog.splicing(sink)
+                    await self._answer.splice(sink)
+            chunk = await self._answer.read_some()
+        except asyncio.CancelledError:
+            if watchdog is not None:
+                watchdog.stop()
+                if watchdog.expire_cancel():
+                    raise UpstreamTimeout("worker stream went silent") from None
+            raise
+        except BROKEN_BODY as exc:
+            self.stop()
+            raise UpstreamError(f"worker connection failed mid-stream: {exc}") from exc
+        except BaseException:
+            self.stop()
+            raise
+        if not chunk:
+            watchdog.stop()
+            raise StopAsyncIteration
+        watchdog.arrived()
+        return chunk
+
+    def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
 
 # What reading an answer may raise when it breaks.
@@ -216,10 +258,10 @@ class UpstreamClient:
         """
         try:
             answer = await self.pool.request("POST", url, headers, body, self.timeouts.first_byte_s)
-        except ConnectFailed as exc:
-            if exc.timed_out:
-                raise UpstreamConnectTimeout(str(exc)) from None
-            raise UpstreamConnectError(f"cannot reach worker {url}: {exc}") from None
+        except ConnectFailed as failed:  # compiled (setup.py): one name, one type per function
+            if failed.timed_out:
+                raise UpstreamConnectTimeout(str(failed)) from None
+            raise UpstreamConnectError(f"cannot reach worker {url}: {failed}") from None
         except TimeoutError:
             limit = self.timeouts.first_byte_s
             raise UpstreamTimeout(f"no response from worker within {limit} s") from None
@@ -242,22 +284,25 @@ class UpstreamClient:
         come with them (it usually does), what is left of it. These GETs run ten times a second
         with two workers; a second timer around every one was idle work."""
         started = time.monotonic()
-        answer: Answer | None = None
         try:
             answer = await self.pool.request("GET", url, {}, b"", timeout_s)
+        except ConnectFailed as failed:  # compiled: one name, one type per function
+            raise UpstreamConnectError(f"cannot reach {url}: {failed}") from None
+        except TimeoutError:
+            raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
+        except BROKEN_BODY as exc:
+            raise UpstreamError(f"GET {url} failed: {exc}") from exc
+        try:
             body = answer.whole()
             if body is None:
                 with Deadline(started + timeout_s - time.monotonic()):
                     body = await answer.read()
         except TimeoutError:
             raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
-        except ConnectFailed as exc:
-            raise UpstreamConnectError(f"cannot reach {url}: {exc}") from None
         except BROKEN_BODY as exc:
             raise UpstreamError(f"GET {url} failed: {exc}") from exc
         finally:
-            if answer is not None:
-                answer.close()
+            answer.close()
         if answer.status != 200:
             raise UpstreamStatusError(f"GET {url} answered {answer.status}")
         return body
