@@ -22,9 +22,10 @@ Two figures per gateway tree, each from the difference of two runs (so start-up 
 requests). `--stream-events N` streams every answer instead, as N token events
 `--event-gap-ms` apart (20 by default: under callgrind, 50 times slower, each event still comes
 in a read of its own, as on a real machine), so that the figure is a stream's: its request, its
-events through the splice, its end. `--floor` adds the same harness around relaying alone (`_floor`, on the same server
-protocol: the body read, a worker taken in turn, the gateway's client, the answer written
-through the link), so that the gateway's own work is its figure less the floor's.
+events through the splice, its end. `--floor` adds the same harness around relaying alone
+(`_floor`, on the same server protocol: the body read, a worker taken in turn, the gateway's
+client, the answer written through the link), so that the gateway's own work is its figure less
+the floor's.
 
     python -m benchmarks.request_path --instructions --candidate before=/tmp/base \\
         --out benchmarks/results/request_path.json
@@ -321,7 +322,8 @@ def markdown(results: dict[str, Any]) -> str:
         " side), 16 keep-alive connections at a time,"
         f" {results.get('body_bytes', 145):,}-byte bodies, against"
         f" {results.get('workers', 2)} instant upstreams"
-        " through its own client; each figure is the difference of two runs"
+        + _answers(results)
+        + " through its own client; each figure is the difference of two runs"
         " (benchmarks/request_path.py).",
         "",
         "| gateway | instructions per request | against the first | CPU per request |",
@@ -333,6 +335,17 @@ def markdown(results: dict[str, Any]) -> str:
         shown = f"{count:,.0f}" if count else "not counted"
         lines.append(f"| {name} | {shown} | {ratio} | {row['cpu_us']:.0f} us |")
     return "\n".join(lines) + "\n"
+
+
+def _answers(results: dict[str, Any]) -> str:
+    events = results.get("stream_events", 0)
+    if not events:
+        return ""
+    gap = results.get("event_gap_ms", 20)
+    return (
+        f" streaming each answer as {events} token events {gap:g} ms apart (then its usage"
+        " event and [DONE]),"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -378,9 +391,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "command": "python -m benchmarks.request_path " + " ".join(argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
-        "body_bytes": len(chat_body(MODEL, image_kb=args.image_kb)),
+        "body_bytes": len(
+            chat_body(MODEL, image_kb=args.image_kb, stream=bool(args.stream_events))
+        ),
         "workers": args.workers,
         "stream_events": args.stream_events,
+        "event_gap_ms": args.event_gap_ms,
         "gateways": gateways,
     }
     print(markdown(results))
