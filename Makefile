@@ -71,8 +71,9 @@ compiled: install
 ## The tests of the compiled modules again, against the compiled build (coverage is measured on
 ## the pure run: compiled code is not traced). conftest.py checks the build is the one imported.
 COMPILED_TESTS ?= tests/api tests/workers/test_dispatcher.py tests/workers/test_registry.py \
-	tests/workers/test_http1.py tests/workers/test_upstream.py tests/test_flow.py tests/test_routing.py tests/test_cost.py \
-	tests/test_errors.py tests/test_metrics.py tests/test_compiled_build.py tests/faults
+	tests/workers/test_http1.py tests/workers/test_upstream.py tests/test_flow.py \
+	tests/test_routing.py tests/test_cost.py tests/test_errors.py tests/test_metrics.py \
+	tests/test_compiled_build.py tests/faults
 TEST_COMPILED = PYTHONPATH=build/compiled/src MINERU_GATEWAY_EXPECT_COMPILED=1 \
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 	$(BIN)/pytest -p no:cacheprovider --no-cov -m "not vllm" $(COMPILED_TESTS) $(PYTEST_ARGS)

@@ -112,7 +112,7 @@ class Exchange:
         self.tokens = 0  # counted from the stream
         self._marker = TOKEN_MARKERS[endpoint]
         # A stream's last two chunks: vLLM's usage event is the last before [DONE], read from
-        # them once the stream is over (`usage`) rather than looked for in every event.
+        # them once the stream is over (`stream_usage`) rather than looked for in every event.
         self._tail = self._last = b""
         self.usage: dict[str, Any] | None = None  # a non-streamed answer's
         self.tenant = ""
