@@ -56,6 +56,7 @@ from benchmarks.small_requests import CHAT, chat_body, upstream
 MODEL = "tiny"
 CONCURRENCY = 16
 CPU_RUNS = 10  # plain runs are this many times longer than callgrind's
+EVENT_GAP_MS = 20.0  # streamed: each event in a read of its own even under callgrind
 RESULT_MARK = "REQUEST_PATH_RESULT "
 REPO = Path(__file__).resolve().parents[1]
 
@@ -233,7 +234,7 @@ def upstreams(count: int = 2, events: int = 0, gap_ms: float = 0) -> Iterator[li
     """`count` of `benchmarks.small_requests`' instant upstreams, stopped on exit; with
     `events`, streaming every answer as that many token events, `gap_ms` apart."""
     procs = Processes(Path(tempfile.mkdtemp(prefix="request-path-bench-")))
-    extra = ["--events", str(events), "--gap-ms", str(gap_ms)] if events else []
+    extra = upstream.streaming(events, gap_ms)
     try:
         yield [url for url, _ in upstream.start(procs, MODEL, count, extra=extra)]
     finally:
@@ -341,7 +342,7 @@ def _answers(results: dict[str, Any]) -> str:
     events = results.get("stream_events", 0)
     if not events:
         return ""
-    gap = results.get("event_gap_ms", 20)
+    gap = results.get("event_gap_ms", EVENT_GAP_MS)
     return (
         f" streaming each answer as {events} token events {gap:g} ms apart (then its usage"
         " event and [DONE]),"
@@ -366,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--event-gap-ms",
         type=float,
-        default=20,
+        default=EVENT_GAP_MS,
         help="between a stream's events: long enough for each to be read alone under callgrind",
     )
     parser.add_argument("--out", type=Path)

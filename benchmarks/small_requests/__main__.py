@@ -80,10 +80,7 @@ class Bench:
         self.proxies: dict[str, Proxy] = {}
 
     def start_upstreams(self) -> None:
-        extra = []
-        if self.args.stream_events:
-            extra = ["--events", str(self.args.stream_events)]
-            extra += ["--gap-ms", f"{self.args.event_gap_ms:g}"]
+        extra = upstream.streaming(self.args.stream_events, self.args.event_gap_ms)
         started = upstream.start(self.procs, self.args.model, self.args.upstreams, extra=extra)
         for url, handle in started:
             self.upstreams.append(url)

@@ -193,11 +193,17 @@ async def serve(port: int, model: str, events: int = 0, gap_s: float = 0.0) -> N
         await serve_forever(lambda: Upstream(table), port, backlog=1024)
 
 
+def streaming(events: int, gap_ms: float) -> list[str]:
+    """The arguments that make `start`'s upstreams stream `events` token events `gap_ms`
+    apart; none for `events` 0 (answers at once)."""
+    return ["--events", str(events), "--gap-ms", f"{gap_ms:g}"] if events else []
+
+
 def start(
     procs: Processes, model: str, count: int = 2, extra: Sequence[str] = ()
 ) -> list[tuple[str, subprocess.Popen[bytes]]]:
     """`count` upstreams started as children of `procs`, each answering: base URLs, processes.
-    `extra`: more arguments for each (`--events N --gap-ms G`)."""
+    `extra`: more arguments for each (`streaming(events, gap_ms)`)."""
     started = []
     for index in range(count):
         port = free_port()

@@ -182,12 +182,13 @@ class Chunks:
 
     async def __anext__(self) -> bytes:
         watchdog = self._watchdog
+        first = watchdog is None
+        if watchdog is None:  # the first chunk, in the task that reads them
+            watchdog = self._watchdog = _Watchdog(
+                self._timeouts.first_byte_s, self._timeouts.idle_s
+            )
         try:
-            if watchdog is None:  # the first chunk, in the task that reads them
-                watchdog = self._watchdog = _Watchdog(
-                    self._timeouts.first_byte_s, self._timeouts.idle_s
-                )
-            else:  # the consumer has taken the last chunk
+            if not first:  # the consumer has taken the last chunk
                 watchdog.waiting()
                 sink = self._sink
                 if sink is not None and sink.ready():
@@ -195,16 +196,15 @@ class Chunks:
                     await self._answer.splice(sink)
             chunk = await self._answer.read_some()
         except asyncio.CancelledError:
-            if watchdog is not None:
-                watchdog.stop()
-                if watchdog.expire_cancel():
-                    raise UpstreamTimeout("worker stream went silent") from None
+            watchdog.stop()
+            if watchdog.expire_cancel():
+                raise UpstreamTimeout("worker stream went silent") from None
             raise
         except BROKEN_BODY as exc:
-            self.stop()
+            watchdog.stop()
             raise UpstreamError(f"worker connection failed mid-stream: {exc}") from exc
         except BaseException:
-            self.stop()
+            watchdog.stop()
             raise
         if not chunk:
             watchdog.stop()
@@ -285,24 +285,22 @@ class UpstreamClient:
         with two workers; a second timer around every one was idle work."""
         started = time.monotonic()
         try:
+            # The answer closed by a `try` of its own (as in `Relay._attempt`): compiled, an
+            # `answer: Answer | None = None` tested in a `finally` fails after a failed await.
             answer = await self.pool.request("GET", url, {}, b"", timeout_s)
+            try:
+                body = answer.whole()
+                if body is None:
+                    with Deadline(started + timeout_s - time.monotonic()):
+                        body = await answer.read()
+            finally:
+                answer.close()
+        except TimeoutError:
+            raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
         except ConnectFailed as failed:  # compiled: one name, one type per function
             raise UpstreamConnectError(f"cannot reach {url}: {failed}") from None
-        except TimeoutError:
-            raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
         except BROKEN_BODY as exc:
             raise UpstreamError(f"GET {url} failed: {exc}") from exc
-        try:
-            body = answer.whole()
-            if body is None:
-                with Deadline(started + timeout_s - time.monotonic()):
-                    body = await answer.read()
-        except TimeoutError:
-            raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
-        except BROKEN_BODY as exc:
-            raise UpstreamError(f"GET {url} failed: {exc}") from exc
-        finally:
-            answer.close()
         if answer.status != 200:
             raise UpstreamStatusError(f"GET {url} answered {answer.status}")
         return body
