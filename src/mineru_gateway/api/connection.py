@@ -25,7 +25,8 @@ and nothing the relay does not use is built. What uvicorn's protocol did and thi
   closed after the server's `timeout_keep_alive`;
 - pipelined requests answered in order, one at a time, reading paused while one waits;
 - flow control both ways: reading pauses while a request's unread body is past 64 KiB, writing
-  waits while the transport's buffer is full (uvicorn's `FlowControl`);
+  waits while the transport's buffer is full (`ConnectionFlow`, uvicorn's `FlowControl` as a
+  compiled class);
 - `Expect: 100-continue` answered when the app first reads the body;
 - a malformed request answered 400 and the connection closed; an upgrade request (WebSocket)
   served as a plain request, its connection closed after the answer;
@@ -61,7 +62,6 @@ from typing import Any, cast
 from urllib.parse import unquote
 
 import httptools
-from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 
@@ -311,6 +311,44 @@ class ClientLink:
             callback()
 
 
+class ConnectionFlow:
+    """Flow control both ways for one client connection: what uvicorn's `FlowControl` does, as
+    a class of the gateway's, so that a streamed event's check of `write_paused` is a field read
+    in the compiled build, not an attribute looked up in an instance dict."""
+
+    __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.read_paused = False
+        self.write_paused = False
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    async def drain(self) -> None:
+        await self._writable.wait()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            self._writable.set()
+
+
 class DirectSink:
     """The client's side of one streamed answer, written without ASGI messages: each body chunk
     in chunked framing, straight to the transport, from the worker connection's read callback
@@ -318,7 +356,7 @@ class DirectSink:
 
     `note(data)` does the relay's bookkeeping for a chunk and returns its time (perf_counter)."""
 
-    __slots__ = ("_flow", "_link", "_note", "_transport", "last_write", "used")
+    __slots__ = ("_closing", "_flow", "_link", "_note", "_write", "last_write", "used")
 
     def __init__(
         self, link: ClientLink, protocol: GatewayHttpProtocol, note: Callable[[bytes], float]
@@ -326,9 +364,13 @@ class DirectSink:
         self.used = False  # anything written here
         self.last_write = 0.0
         self._link = link
-        self._transport: asyncio.Transport = protocol.transport
         self._flow = protocol.flow
         self._note = note
+        # The transport's two methods a streamed event calls, bound once: each call is then a
+        # call, not a method looked up on uvloop's transport type first.
+        transport = protocol.transport
+        self._write: Callable[[bytes], object] = transport.write
+        self._closing: Callable[[], bool] = transport.is_closing
 
     def ready(self) -> bool:
         """The answer has started in chunked framing and the client takes bytes now."""
@@ -343,15 +385,17 @@ class DirectSink:
             return False
         self.used = True
         self.last_write = self._note(data)
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self._write(b"%x\r\n%b\r\n" % (len(data), data))
         return True
 
     def _takes_bytes(self) -> bool:
-        return not (self._flow.write_paused or self._transport.is_closing())
+        return not (self._flow.write_paused or self._closing())
 
 
 class GatewayHttpProtocol(asyncio.Protocol):
     """HTTP/1.1 over httptools for uvicorn's `Server` (module docstring)."""
+
+    flow: ConnectionFlow  # from connection_made on (a compiled field cannot hold None first)
 
     def __init__(
         self,
@@ -373,7 +417,6 @@ class GatewayHttpProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.flow: FlowControl = None  # type: ignore[assignment]
         self.server: tuple[str, int | None] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
@@ -392,7 +435,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.server_state.connections.add(self)
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        self.flow = FlowControl(transport)
+        self.flow = ConnectionFlow(transport)
         self.server = get_local_addr(transport)
         self.client = get_remote_addr(transport)
         if is_ssl(transport):
@@ -408,8 +451,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         for link in links:
             if link is not None:
                 link._lost()
-        if self.flow is not None:
-            self.flow.resume_writing()
+        self.flow.resume_writing()
         self._stop_idle_timer()
         if exc is None:
             self.transport.close()

@@ -25,7 +25,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
@@ -79,8 +79,8 @@ class Answer:
         "_buffered_bytes",
         "_connection",
         "_error",
+        "_offer",
         "_paused",
-        "_sink",
         "_splice_over",
         "_waiter",
         "content_type",
@@ -98,7 +98,8 @@ class Answer:
         self._paused = False  # reading from the worker, held until the reader catches up
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._sink: Sink | None = None  # read by the connection's on_body, the hot path
+        # A splice's sink.offer, bound once: called by the connection's on_body, the hot path
+        self._offer: Callable[[bytes], bool] | None = None
         self._splice_over: asyncio.Future[None] | None = None
 
     # -- the reader's side ------------------------------------------------------------------
@@ -148,12 +149,12 @@ class Answer:
         left for `read_some`)."""
         if self._buffered or self.ended or self._error is not None or self._connection is None:
             return
-        self._sink = sink
+        self._offer = sink.offer
         self._splice_over = asyncio.get_running_loop().create_future()
         try:
             await self._splice_over
         finally:
-            self._sink, self._splice_over = None, None
+            self._offer, self._splice_over = None, None
 
     def close(self) -> None:
         """Drops the connection unless the answer ended (then it is in the pool already)."""
@@ -165,7 +166,7 @@ class Answer:
     def _body(self, data: bytes) -> None:
         """Body bytes no splice took (`_Connection.on_body` offers them first): kept for
         `read_some`; a splice whose sink refused them ends."""
-        if self._sink is not None:
+        if self._offer is not None:
             self._end_splice()
         self._buffered.append(data)
         self._buffered_bytes += len(data)
@@ -201,7 +202,7 @@ class Answer:
         over = self._splice_over
         if over is not None and not over.done():
             over.set_result(None)
-        self._sink = None
+        self._offer = None
 
 
 Slot = tuple[bool, str, int]  # TLS, host, port: the connections a request may reuse
@@ -218,6 +219,7 @@ class _Connection(asyncio.Protocol):
         self.slot = slot
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
+        self._feed: Callable[[bytes], None] = self._parser.feed_data  # bound once: per event
         self._answer: Answer | None = None
         self._head: asyncio.Future[Answer] | None = None
         self._content_type = b""
@@ -265,7 +267,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         try:
-            self._parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserError as error:
             self._failed(Malformed(f"malformed answer: {error}"))
             self.abort()
@@ -309,8 +311,8 @@ class _Connection(asyncio.Protocol):
         # Once per relayed event: a splice's sink is offered the bytes here, not in a call more.
         answer = self._answer
         if answer is not None:
-            sink = answer._sink
-            if sink is None or not sink.offer(body):
+            offer = answer._offer
+            if offer is None or not offer(body):
                 answer._body(body)
 
     def on_message_complete(self) -> None:
