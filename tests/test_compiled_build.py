@@ -10,6 +10,7 @@ from pathlib import Path
 from setup import COMPILED, compiled_modules
 
 from mineru_gateway.api.app import compiled_build
+from mineru_gateway.workers import http1
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mineru_gateway"
 
@@ -39,3 +40,10 @@ def test_the_gateway_knows_which_build_it_runs() -> None:
     # Logged at start (`gateway_started ... compiled=`): which build an image really runs.
     expected = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"
     assert compiled_build() is expected
+
+
+def test_only_the_compiled_build_cuts_spliced_reads_into_chunks_itself() -> None:
+    # tests/workers/test_http1.py's splice tests run against both builds: the pure one tests
+    # the parser's way, the compiled one the connection's own cut (workers/http1.py).
+    expected = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"
+    assert http1.CUT_CHUNKS_HERE is expected

@@ -336,3 +336,80 @@ async def test_a_splice_writes_while_the_sink_takes_and_leaves_the_rest_in_order
     assert sink.written == [b"data: 0\n\n", b"data: 1\n\n"]
     assert sink.offered == 3  # the refused chunk is offered once, then kept for the reader
     assert rest == b"data: 2\n\ndata: 3\n\ndata: 4\n\n"
+
+
+async def test_whole_chunks_in_one_read_are_offered_one_by_one_until_the_sink_refuses() -> None:
+    """Once the parser is between chunks, a read of whole chunks is cut by the connection itself:
+    one offer per chunk, as the parser's on_body makes. The chunk the sink refuses is offered
+    once and kept, with the chunks after it, in order, for the reader; the answer still ends
+    and its connection is reused."""
+    gate = asyncio.Event()
+
+    async def burst(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(STREAM + chunk(b"data: 0\n\n"))
+        await writer.drain()
+        await gate.wait()
+        writer.write(b"".join(chunk(b"data: %d\n\n" % index) for index in range(1, 6)))
+        writer.write(b"0\r\n\r\n")
+
+    async with worker(burst) as (url, seen), pool() as connections:
+        answer = await connections.request("POST", url, {}, b"{}", 2.0)
+        assert await answer.read_some() == b"data: 0\n\n"  # the parser's: the head came first
+        sink = Sink(takes=2)
+        splicing = asyncio.ensure_future(answer.splice(sink))
+        await asyncio.sleep(0)  # the splice is in place before the burst
+        gate.set()
+        await asyncio.wait_for(splicing, 2.0)
+        rest = await answer.read()
+        again = await (await connections.request("POST", url, {}, b"{}", 2.0)).read()
+    assert sink.written == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert sink.offered == 3
+    assert rest == b"data: 3\n\ndata: 4\n\ndata: 5\n\n"
+    assert again.startswith(b"data: 0\n\n") and again.endswith(b"data: 5\n\n")
+    assert [len(requests) for requests in seen.requests] == [2]
+
+
+# Chunks a spliced stream may bring after its first: the parser's plain framing and what only
+# the parser reads (a size line of more than 8 digits, an extension), then trailers.
+EVENTS = [b"data: 1\n\n", b"data: 22\n\n", b"data: 333\n\n", b"data: 4444\n\n", b"data: 55\n\n"]
+FRAMED = (
+    chunk(EVENTS[0])
+    + b"A\r\n" + EVENTS[1] + b"\r\n"
+    + b"000000000b\r\n" + EVENTS[2] + b"\r\n"
+    + b"c;name=value\r\n" + EVENTS[3] + b"\r\n"
+    + chunk(EVENTS[4])
+    + b"0\r\nx-trailer: yes\r\n\r\n"
+)  # fmt: skip
+
+
+async def test_a_spliced_stream_arrives_whole_however_its_reads_are_cut() -> None:
+    """The same stream, its bytes after the first chunk cut at every place in turn and once at
+    every byte, spliced: the sink and the reader get every event once, in order, and every answer
+    ends cleanly (all of them on one connection)."""
+    plans = [[cut] for cut in range(len(FRAMED) + 1)] + [list(range(1, len(FRAMED)))]
+    plan: list[int] = []
+    gate = asyncio.Event()  # the first chunk is read and the splice in place
+
+    async def cut(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(STREAM + chunk(b"data: 0\n\n"))
+        await writer.drain()
+        await gate.wait()
+        gate.clear()
+        for start, stop in zip([0, *plan], [*plan, len(FRAMED)], strict=True):
+            writer.write(FRAMED[start:stop])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+
+    async with worker(cut) as (url, seen), pool() as connections:
+        for cuts in plans:
+            plan[:] = cuts
+            answer = await connections.request("POST", url, {}, b"{}", 2.0)
+            assert await answer.read_some() == b"data: 0\n\n"
+            sink = Sink(takes=len(FRAMED))
+            splicing = asyncio.ensure_future(answer.splice(sink))
+            await asyncio.sleep(0)
+            gate.set()
+            await asyncio.wait_for(splicing, 5.0)
+            got = b"".join(sink.written) + await answer.read()
+            assert got == b"".join(EVENTS), cuts
+    assert [len(requests) for requests in seen.requests] == [len(plans)]

@@ -10,7 +10,9 @@ relay needs and no more:
 - one request per connection at a time, the body written at once (the relay holds it anyway);
 - an answer's headers, then its body as it arrives (`Answer.read_some`), or written straight to
   a sink from the read callback while the sink takes bytes (`Answer.splice`: a relayed SSE event
-  then costs no task switch, docs/proxy-costs.md);
+  then costs no task switch, docs/proxy-costs.md). In the compiled build, a spliced read that
+  is whole chunks, at a chunk boundary, is cut into chunks here (`_offer_whole_chunks`) rather
+  than by httptools: one SSE event is one chunk, and the parser and its callback cost more;
 - a connection goes back to the pool the moment its answer has ended, and is closed instead if
   the answer did not end: that is how a worker learns nobody waits for its generation (vLLM
   aborts it and frees its KV cache).
@@ -26,7 +28,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -207,6 +209,56 @@ class Answer:
 
 Slot = tuple[bool, str, int]  # TLS, host, port: the connections a request may reuse
 
+MAX_SIZE_DIGITS: Final = 8  # a chunk of up to 4 GiB; a longer size line is left to the parser
+# Compiled, cutting a read into chunks here costs less than the parser's call and its on_body
+# callback; interpreted, it costs more (about 0.8 against 0.2 us a chunk), so the pure build
+# leaves every read to the parser. Both ways offer the same chunks (tests/workers/test_http1.py
+# runs against both builds).
+CUT_CHUNKS_HERE: Final = not __file__.endswith(".py")
+
+
+def _offer_whole_chunks(answer: Answer, data: bytes) -> int:
+    """Offers the chunks `data` starts with (chunked framing, `data` starting at a chunk's size
+    line) to the answer's splice, one offer per chunk as the parser's on_body would make, for as
+    long as they are whole, plain (hex digits, CRLF, no extension) and not the last (size 0);
+    returns how many bytes it took. A chunk the sink refuses is kept for `read_some` and ends the
+    splice, as `_Connection.on_body` does, and the bytes after it are left to the parser."""
+    taken, end = 0, len(data)
+    while taken < end:
+        size, at, limit = 0, taken, taken + MAX_SIZE_DIGITS
+        if limit > end:
+            limit = end
+        while at < limit:
+            byte = data[at]
+            if 48 <= byte <= 57:  # 0-9
+                size = size * 16 + byte - 48
+            elif 97 <= byte <= 102:  # a-f
+                size = size * 16 + byte - 87
+            elif 65 <= byte <= 70:  # A-F
+                size = size * 16 + byte - 55
+            else:
+                break
+            at += 1
+        start = at + 2
+        stop = start + size
+        if size == 0 or stop + 2 > end or not _crlf_at(data, at) or not _crlf_at(data, stop):
+            return taken
+        chunk = data[start:stop]
+        offer = answer._offer
+        taken = stop + 2
+        if offer is None or not offer(chunk):
+            answer._body(chunk)
+            return taken
+    return taken
+
+
+def _crlf_at(data: bytes, at: int) -> bool:
+    return data[at] == 13 and data[at + 1] == 10  # the caller checked at + 1 < len(data)
+
+
+def _ends_with_crlf(data: bytes) -> bool:
+    return len(data) >= 2 and _crlf_at(data, len(data) - 2)
+
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to one worker; the httptools parser calls its `on_*`."""
@@ -226,6 +278,10 @@ class _Connection(asyncio.Protocol):
         self._sized = False  # the answer has a Content-Length or chunked framing
         self._head_bytes = 0
         self.idle_since = 0.0
+        # The parser's last callback was on_chunk_complete / all bytes read so far are whole
+        # chunks after the head, the parser waiting for the next chunk's size (data_received).
+        self._chunk_done = False
+        self._at_boundary = False
 
     # -- the pool's side ----------------------------------------------------------------------
     def send(self, head: bytes, body: bytes) -> asyncio.Future[Answer]:
@@ -233,6 +289,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self._head is None and self._answer is None
         self._head = self._loop.create_future()
         self._content_type, self._sized, self._head_bytes = b"", False, 0
+        self._at_boundary = False
         self._answer = Answer(self)
         if len(body) < ONE_WRITE:
             self.transport.write(head + body)
@@ -263,14 +320,28 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        if self._answer is None:  # bytes nobody asked for: the connection is not to be trusted
+        answer = self._answer
+        if answer is None:  # bytes nobody asked for: the connection is not to be trusted
             self.abort()
             return
+        if CUT_CHUNKS_HERE and self._at_boundary and answer._offer is not None:
+            # Once per relayed event: whole chunks go to the splice without the parser, which
+            # is left where it was, between chunks; whatever is not whole chunks it still reads.
+            taken = _offer_whole_chunks(answer, data)
+            if taken == len(data):
+                return
+            data = data[taken:]
+        self._chunk_done = False
         try:
             self._feed(data)
         except httptools.HttpParserError as error:
             self._failed(Malformed(f"malformed answer: {error}"))
             self.abort()
+            return
+        # Between chunks if the parser's last callback ended a chunk and nothing came after:
+        # any bytes after it would be a size line, and a size line ending in CRLF is a whole
+        # one, which would have called on_chunk_header.
+        self._at_boundary = self._chunk_done and _ends_with_crlf(data)
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -315,7 +386,14 @@ class _Connection(asyncio.Protocol):
             if offer is None or not offer(body):
                 answer._body(body)
 
+    def on_chunk_header(self) -> None:
+        self._chunk_done = False
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_done = True
+
     def on_message_complete(self) -> None:
+        self._chunk_done = False
         answer, self._answer = self._answer, None
         if answer is None:
             return
