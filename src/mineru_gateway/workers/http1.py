@@ -278,10 +278,8 @@ class _Connection(asyncio.Protocol):
         self._sized = False  # the answer has a Content-Length or chunked framing
         self._head_bytes = 0
         self.idle_since = 0.0
-        # The parser's last callback was on_chunk_complete / all bytes read so far are whole
-        # chunks after the head, the parser waiting for the next chunk's size (data_received).
-        self._chunk_done = False
-        self._at_boundary = False
+        self._chunk_done = False  # the parser's last callback ended a chunk
+        self._at_boundary = False  # the parser waits for a chunk's size line (data_received)
 
     # -- the pool's side ----------------------------------------------------------------------
     def send(self, head: bytes, body: bytes) -> asyncio.Future[Answer]:
