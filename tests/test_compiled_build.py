@@ -13,6 +13,7 @@ from mineru_gateway.api.app import compiled_build
 from mineru_gateway.workers import http1
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mineru_gateway"
+EXPECT_COMPILED = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"  # make test-compiled
 
 
 def test_every_compiled_module_exists_and_imports() -> None:
@@ -38,12 +39,10 @@ def test_the_request_paths_modules_are_compiled() -> None:
 
 def test_the_gateway_knows_which_build_it_runs() -> None:
     # Logged at start (`gateway_started ... compiled=`): which build an image really runs.
-    expected = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"
-    assert compiled_build() is expected
+    assert compiled_build() is EXPECT_COMPILED
 
 
 def test_only_the_compiled_build_cuts_spliced_reads_into_chunks_itself() -> None:
     # tests/workers/test_http1.py's splice tests run against both builds: the pure one tests
     # the parser's way, the compiled one the connection's own cut (workers/http1.py).
-    expected = os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") == "1"
-    assert http1.CUT_CHUNKS_HERE is expected
+    assert http1.CUT_CHUNKS_HERE is EXPECT_COMPILED

@@ -287,7 +287,6 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self._head is None and self._answer is None
         self._head = self._loop.create_future()
         self._content_type, self._sized, self._head_bytes = b"", False, 0
-        self._at_boundary = False
         self._answer = Answer(self)
         if len(body) < ONE_WRITE:
             self.transport.write(head + body)
@@ -391,7 +390,7 @@ class _Connection(asyncio.Protocol):
         self._chunk_done = True
 
     def on_message_complete(self) -> None:
-        self._chunk_done = False
+        self._chunk_done = False  # so the connection goes back to the pool not between chunks
         answer, self._answer = self._answer, None
         if answer is None:
             return
