@@ -8,19 +8,28 @@ TINY_MODEL ?= $(CACHE)/tiny-qwen2
 SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-compiled compiled test-fast lint typecheck vllm small-model system-deps bench bench-seed \
+.PHONY: install lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
 	bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak vllm-router wrk-nginx clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet --constraint constraints.txt -e '.[dev,bench]'
 	touch $@
 
 install: $(VENV)/.installed
+
+## The tested set of versions (constraints.txt), which make, CI and the images install: written
+## from a fresh virtualenv resolved within pyproject.toml's ranges. Commit it with the test run.
+lock:
+	rm -rf build/lock && $(PYTHON) -m venv build/lock
+	build/lock/bin/pip install --quiet --upgrade pip
+	build/lock/bin/pip install --quiet '.[dev,bench]'
+	{ echo '# The tested versions of every dependency: `make lock` writes this file.'; \
+	  build/lock/bin/pip freeze --exclude mineru-gateway; } > constraints.txt
 
 ## The embedded default: gateway on http://127.0.0.1:30000 in front of 4 simulated vLLM workers.
 run: install
@@ -46,39 +55,15 @@ small-model: vllm
 	$(VLLM_VENV)/bin/python scripts/build_tiny_model.py --size small --out $(SMALL_MODEL)
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks scripts setup.py
-	$(BIN)/ruff format --check src tests benchmarks scripts setup.py
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 
 typecheck: install
 	$(BIN)/mypy src
 
-test: lint typecheck system-deps vllm compiled
+test: lint typecheck system-deps vllm
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 		$(BIN)/pytest --cov --cov-report=term $(PYTEST_ARGS)
-	$(TEST_COMPILED)
-
-## The compiled build (setup.py: the request path's modules as C extensions, which the gateway
-## image ships) installed apart, into build/compiled/src: the editable install stays pure Python.
-## build/ is the setuptools build's and this target's alone. About a minute.
-compiled: install
-	@command -v cc >/dev/null || { \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null; }
-	rm -rf build
-	MINERU_GATEWAY_COMPILE=1 $(BIN)/pip install --quiet --no-deps --no-build-isolation \
-		--target build/compiled/src .
-
-## The tests of the compiled modules again, against the compiled build (coverage is measured on
-## the pure run: compiled code is not traced). conftest.py checks the build is the one imported.
-COMPILED_TESTS ?= tests/api tests/workers/test_dispatcher.py tests/workers/test_registry.py \
-	tests/workers/test_http1.py tests/workers/test_upstream.py tests/test_flow.py \
-	tests/test_routing.py tests/test_cost.py tests/test_errors.py tests/test_metrics.py \
-	tests/test_compiled_build.py tests/faults
-TEST_COMPILED = PYTHONPATH=build/compiled/src MINERU_GATEWAY_EXPECT_COMPILED=1 \
-	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
-	$(BIN)/pytest -p no:cacheprovider --no-cov -m "not vllm" $(COMPILED_TESTS) $(PYTEST_ARGS)
-test-compiled: system-deps vllm compiled
-	$(TEST_COMPILED)
 
 ## Without the real-vLLM tests: for quick iterations only, CI runs `make test`.
 test-fast: install
@@ -163,29 +148,29 @@ wrk-nginx:
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
 
 ## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
-## processes; the compiled build as `gateway@compiled`), vllm-router, nginx and bare Python relays
+## processes), vllm-router, nginx and bare Python relays
 ## (about 4 minutes; Debian's nginx and wrk).
 ## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
-bench-small-requests: install vllm-router wrk-nginx compiled
-	$(BIN)/python -m benchmarks.small_requests --candidate compiled=build/compiled \
+bench-small-requests: install vllm-router wrk-nginx
+	$(BIN)/python -m benchmarks.small_requests \
 		--out benchmarks/results/small_requests.json
 
 ## The same with a 300 KB PNG page image in every request, as MinerU sends pages (about 3
 ## minutes). Results: benchmarks/results/small_requests_image.*
-bench-page-images: install vllm-router wrk-nginx compiled
+bench-page-images: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx,floor-asgi,floor-link,floor-raw \
-		--candidate compiled=build/compiled --image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
+		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
 
 ## CPU per relayed token event against vllm-router and nginx, upstreams streaming 64 events per
 ## answer at vLLM's pace (every stream's next event every 2 ms): 64 streams, then 256 (saturated;
 ## with `--processes 2` too). About 5 minutes. Results: benchmarks/results/streamed_events*.*
-bench-streamed-events: install vllm-router wrk-nginx compiled
+bench-streamed-events: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx \
-		--candidate compiled=build/compiled --stream-events 64 --event-gap-ms 2 --connections 64 \
+		--stream-events 64 --event-gap-ms 2 --connections 64 \
 		--rounds 3 \
 		--out benchmarks/results/streamed_events.json
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,gateway-processes,vllm-router,nginx \
-		--candidate compiled=build/compiled --stream-events 64 --event-gap-ms 2 --connections 256 \
+		--stream-events 64 --event-gap-ms 2 --connections 256 \
 		--rounds 3 \
 		--out benchmarks/results/streamed_events_saturated.json
 
@@ -194,14 +179,14 @@ bench-streamed-events: install vllm-router wrk-nginx compiled
 ## changes), and the same for relaying alone (the floor); then with 8 workers, as on an Atlas
 ## box (routing looks at every worker). About 12 minutes.
 ## Results: benchmarks/results/request_path.* and request_path_atlas.*
-bench-request-path: install compiled
+bench-request-path: install
 	@command -v valgrind >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends valgrind >/dev/null; }
 	$(BIN)/python -m benchmarks.request_path --instructions --floor \
-		--candidate compiled=build/compiled --out benchmarks/results/request_path.json
+		--out benchmarks/results/request_path.json
 	$(BIN)/python -m benchmarks.request_path --instructions --workers 8 \
-		--candidate compiled=build/compiled \
+		\
 		--out benchmarks/results/request_path_atlas.json
 
 GUIDELLM_VENV ?= $(CACHE)/guidellm-0.8.1

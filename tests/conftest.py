@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,22 +16,6 @@ from tests.support.servers import serve
 from tests.support.workers import Script, scripted_worker
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """`make test-compiled` runs with MINERU_GATEWAY_EXPECT_COMPILED=1: the compiled build must
-    be the one imported, or the run would test the pure sources a second time."""
-    if os.environ.get("MINERU_GATEWAY_EXPECT_COMPILED") != "1":
-        return
-    from setup import compiled_modules
-
-    pure = [
-        name
-        for name in compiled_modules()
-        if str(importlib.import_module(name).__file__).endswith(".py")
-    ]
-    if pure:
-        raise pytest.UsageError(f"the compiled build is not the one imported: {pure} are not")
 
 
 StartGateway = Callable[..., str]

@@ -134,7 +134,7 @@ class Ticket:
     size: int  # bytes held while queued
     enqueued_at: float
     model: str | None = None
-    handle: Any = None  # Any: mypyc (setup.py) cannot build a dataclass field typed object
+    handle: Any = None  # the caller's (the dispatcher's future), opaque here
     queued: bool = False
 
     @property

@@ -14,6 +14,7 @@ that describe workers are read from the registry at scrape time rather than kept
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -75,16 +76,7 @@ class Series:
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        # The first bucket whose bound is not below the value (bisect_left's index), found by
-        # counting up: compiled (setup.py), a few float comparisons for the short gaps most
-        # observations are (inter-token latency, once per relayed event), where calling
-        # bisect cost more than the whole scan.
-        index = 0
-        for bound in self.buckets:
-            if value <= bound:
-                break
-            index += 1
-        self.counts[index] += 1
+        self.counts[bisect_left(self.buckets, value)] += 1
         self.total += value
 
 
@@ -205,14 +197,6 @@ class GatewayMetrics:
             ("reason",),
         )
     )
-    streams: Counter = field(
-        default_factory=lambda: Counter(
-            "mineru_gateway_streams",
-            "Streamed answers relayed, by how their body reached the client: `direct` (written "
-            "to the connection from the worker's read callback) or `asgi` (every chunk a message).",
-            ("writer",),
-        )
-    )
     ejections: Counter = field(
         default_factory=lambda: Counter(
             "mineru_gateway_worker_ejections",
@@ -261,7 +245,6 @@ class GatewayMetrics:
             self.completion_tokens,
             self.routing_decisions,
             self.retries,
-            self.streams,
             self.ejections,
             self.queue_wait,
             self.rejections,

@@ -1,6 +1,6 @@
 """The relay's HTTP/1.1 client against real sockets: what reuses a connection and what drops it
 (the worker must see a connection close to stop a generation), answers framed every way HTTP/1.1
-allows, broken ones, deadlines, and the splice's hand-back."""
+allows, broken ones, deadlines, and chunked framing however its reads are cut."""
 
 from __future__ import annotations
 
@@ -293,84 +293,11 @@ async def test_a_caller_cancelled_while_waiting_for_headers_drops_the_connection
         assert await closed_soon(seen.closed[0])
 
 
-# -- the splice ---------------------------------------------------------------------------------
+# -- chunked framing ---------------------------------------------------------------------------
 
 
-class Sink:
-    def __init__(self, takes: int) -> None:
-        self.takes = takes  # writes it accepts before it refuses
-        self.written: list[bytes] = []
-        self.offered = 0
-        self.last_write = 0.0
-
-    def ready(self) -> bool:
-        return len(self.written) < self.takes
-
-    def offer(self, data: bytes) -> bool:
-        self.offered += 1
-        if len(self.written) == self.takes:
-            return False
-        self.written.append(data)
-        return True
-
-
-async def test_a_splice_writes_while_the_sink_takes_and_leaves_the_rest_in_order() -> None:
-    gate = asyncio.Event()
-
-    async def paced(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
-        writer.write(STREAM)
-        for index in range(5):
-            await gate.wait()
-            writer.write(chunk(b"data: %d\n\n" % index))
-            await writer.drain()
-            await asyncio.sleep(0.02)
-        writer.write(b"0\r\n\r\n")
-
-    async with worker(paced) as (url, _), pool() as connections:
-        answer = await connections.request("POST", url, {}, b"{}", 2.0)
-        sink = Sink(takes=2)
-        splicing = asyncio.ensure_future(answer.splice(sink))
-        gate.set()
-        await asyncio.wait_for(splicing, 2.0)  # handed back once the sink stopped taking
-        rest = await answer.read()
-    assert sink.written == [b"data: 0\n\n", b"data: 1\n\n"]
-    assert sink.offered == 3  # the refused chunk is offered once, then kept for the reader
-    assert rest == b"data: 2\n\ndata: 3\n\ndata: 4\n\n"
-
-
-async def test_whole_chunks_in_one_read_are_offered_one_by_one_until_the_sink_refuses() -> None:
-    """Once the parser is between chunks, a read of whole chunks is cut by the connection itself:
-    one offer per chunk, as the parser's on_body makes. The chunk the sink refuses is offered
-    once and kept, with the chunks after it, in order, for the reader; the answer still ends
-    and its connection is reused."""
-    gate = asyncio.Event()
-
-    async def burst(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
-        writer.write(STREAM + chunk(b"data: 0\n\n"))
-        await writer.drain()
-        await gate.wait()
-        writer.write(b"".join(chunk(b"data: %d\n\n" % index) for index in range(1, 6)))
-        writer.write(b"0\r\n\r\n")
-
-    async with worker(burst) as (url, seen), pool() as connections:
-        answer = await connections.request("POST", url, {}, b"{}", 2.0)
-        assert await answer.read_some() == b"data: 0\n\n"  # the parser's: the head came first
-        sink = Sink(takes=2)
-        splicing = asyncio.ensure_future(answer.splice(sink))
-        await asyncio.sleep(0)  # the splice is in place before the burst
-        gate.set()
-        await asyncio.wait_for(splicing, 2.0)
-        rest = await answer.read()
-        again = await (await connections.request("POST", url, {}, b"{}", 2.0)).read()
-    assert sink.written == [b"data: 1\n\n", b"data: 2\n\n"]
-    assert sink.offered == 3
-    assert rest == b"data: 3\n\ndata: 4\n\ndata: 5\n\n"
-    assert again.startswith(b"data: 0\n\n") and again.endswith(b"data: 5\n\n")
-    assert [len(requests) for requests in seen.requests] == [2]
-
-
-# Chunks a spliced stream may bring after its first: the parser's plain framing and what only
-# the parser reads (a size line of more than 8 digits, an extension), then trailers.
+# Chunks a stream may bring after its first: plain framing, an upper-case size, a size line of
+# more than 8 digits, an extension, then trailers.
 EVENTS = [b"data: 1\n\n", b"data: 22\n\n", b"data: 333\n\n", b"data: 4444\n\n", b"data: 55\n\n"]
 FRAMED = (
     chunk(EVENTS[0])
@@ -382,13 +309,13 @@ FRAMED = (
 )  # fmt: skip
 
 
-async def test_a_spliced_stream_arrives_whole_however_its_reads_are_cut() -> None:
+async def test_a_stream_arrives_whole_however_its_reads_are_cut() -> None:
     """The same stream, its bytes after the first chunk cut at every place in turn and once at
-    every byte, spliced: the sink and the reader get every event once, in order, and every answer
-    ends cleanly (all of them on one connection)."""
+    every byte: the reader gets every event once, in order, and every answer ends cleanly (all of
+    them on one connection)."""
     plans = [[cut] for cut in range(len(FRAMED) + 1)] + [list(range(1, len(FRAMED)))]
     plan: list[int] = []
-    gate = asyncio.Event()  # the first chunk is read and the splice in place
+    gate = asyncio.Event()  # the first chunk is read
 
     async def cut(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
         writer.write(STREAM + chunk(b"data: 0\n\n"))
@@ -405,11 +332,7 @@ async def test_a_spliced_stream_arrives_whole_however_its_reads_are_cut() -> Non
             plan[:] = cuts
             answer = await connections.request("POST", url, {}, b"{}", 2.0)
             assert await answer.read_some() == b"data: 0\n\n"
-            sink = Sink(takes=len(FRAMED))
-            splicing = asyncio.ensure_future(answer.splice(sink))
-            await asyncio.sleep(0)
             gate.set()
-            await asyncio.wait_for(splicing, 5.0)
-            got = b"".join(sink.written) + await answer.read()
+            got = await asyncio.wait_for(answer.read(), 5.0)
             assert got == b"".join(EVENTS), cuts
     assert [len(requests) for requests in seen.requests] == [len(plans)]

@@ -22,7 +22,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mineru_gateway import __version__
-from mineru_gateway.api import relay as relay_module
 from mineru_gateway.api.accounting import Accounting
 from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, Lifecycle, gateway_context
@@ -76,11 +75,6 @@ class WorkerControl:
 
     restart: Restart
     ready_timeout_s: float
-
-
-def compiled_build() -> bool:
-    """Whether this is the compiled build (setup.py): its modules are C extensions."""
-    return not str(relay_module.__file__).endswith(".py")
 
 
 def build_context(
@@ -342,7 +336,6 @@ def create_app(
             workers=settings.workers,
             healthy=[w.url for w in context.registry.workers if w.healthy],
             policy=settings.routing_policy,
-            compiled=compiled_build(),
         )
         try:
             yield context.lifespan_state()

@@ -1,54 +1,30 @@
 """The gateway's HTTP/1.1 server protocol, and the client's connection as the relay sees it.
 
-ASGI gives an app two things per request, `receive` and `send`, and the relay paid for both on
-every request (py-spy and an ablation on small non-streaming requests, docs/proxy-costs.md):
+`GatewayHttpProtocol` serves HTTP/1.1 over httptools (llhttp) and hands every request a
+`ClientLink`: the request's ASGI `receive` and `send` and, in its scope's extensions, what the
+relay uses below them: a callback for the connection's loss (called from `connection_lost`, no
+task parked in `receive`) and a whole answer's head and body in one write (`respond`). One
+object is the request's cycle and its link; the keep-alive timer is armed once per idle spell.
 
-- Learning that the client went away needs a task parked in `receive()` for the whole
-  exchange: a task, an event and two wake-ups per request, about 15% of a small request's CPU.
-- A whole answer takes two `send` messages, and uvicorn writes its head and its body in two
-  `write` system calls.
-- A stream's body takes an ASGI message, a task switch and an async-generator step per event.
-
-`GatewayHttpProtocol` serves HTTP/1.1 over httptools (llhttp, the parser uvicorn uses) and hands
-every request a `ClientLink`, which is the request's ASGI `receive` and `send` and, in its
-scope's extensions, the relay's way below them: a callback for the connection's loss (called
-from `connection_lost`, no task), a whole answer's head and body in one write (`respond`), and
-a started stream's body written straight to the transport (`DirectSink`).
-
-It replaces uvicorn's httptools protocol, whose request cycle cost a small request about 14 us
-of CPU over a bare protocol (benchmarks/results/small_requests_floors.md): a scope, a cycle
-object and an event per request, a keep-alive timer armed and cancelled per answer. Here one
-object is the request's cycle and its link, the keep-alive timer is armed once per idle spell,
-and nothing the relay does not use is built. What uvicorn's protocol did and this one keeps:
+What it does (docs/http-edge.md lists it with the tests that hold it):
 
 - keep-alive (HTTP/1.1 unless `Connection: close`; HTTP/1.0 closes), and the idle connection
-  closed after the server's `timeout_keep_alive`;
+  closed after the server's keep-alive timeout;
 - pipelined requests answered in order, one at a time, reading paused while one waits;
-- flow control both ways: reading pauses while a request's unread body is past 64 KiB, writing
-  waits while the transport's buffer is full (`ConnectionFlow`, uvicorn's `FlowControl` as a
-  compiled class);
+- flow control both ways (`ConnectionFlow`): reading pauses while a request's unread body is
+  past 64 KiB, writing waits while the transport's buffer is full;
 - `Expect: 100-continue` answered when the app first reads the body;
 - a malformed request answered 400 and the connection closed; an upgrade request (WebSocket)
   served as a plain request, its connection closed after the answer;
-- the server's default headers (`date`, `server`), the request count for
-  `limit_max_requests`, and the graceful shutdown: idle connections close at once, busy ones
-  after their answer;
+- a head that goes on past MAX_HEAD_BYTES refused (431 in OpenAI's form) before it ends; the
+  400 and the 431 end with a lingering close (`_refuse`), so a client still sending reads them;
+- the server's default headers (`date`, `server`), and the graceful shutdown: idle
+  connections close at once, busy ones after their answer;
 - an app that fails before answering gets a plain 500, one that fails mid-answer a closed
   connection.
 
-Added: a head that goes on past MAX_HEAD_BYTES (1 MiB) is refused, 431 in OpenAI's form, before
-it ends. uvicorn's httptools protocol held a head that never ended without bound, and the app's
-own limit (32 KiB by default) applies only once a head is complete. The 400 and the 431 end with
-a lingering close (`_refuse`), so that a client still sending gets to read them.
-
-Not kept: uvicorn's access log (the gateway logs each request itself, with its request id), and
-its `root_path` and `limit_concurrency`, which `entry/server.py` does not set (admission is the
-gateway's flow control's): the protocol refuses a config with them rather than ignore them.
-
-It still runs under uvicorn's `Server` (sockets, lifespan, signals, the shutdown's wait), which
-needs only `connection_made`, `shutdown` and the server state's sets. Under any other server or
-protocol (uvicorn's own, a test client) there is no link, and the relay keeps the plain ASGI path
-(a watcher task, `send`). tests/api/test_connection.py runs both.
+Under any other server or protocol (uvicorn's own, a test client) there is no link, and the
+relay keeps the plain ASGI path (a watcher task, `send`). tests/api/test_connection.py runs both.
 """
 
 from __future__ import annotations
@@ -174,12 +150,6 @@ class ClientLink:
         self.expect_continue = False
         protocol.transport.write(b"".join(content))
         self._answered(protocol)
-
-    def sink(self, note: Callable[[bytes], float]) -> DirectSink | None:
-        """Where a stream's body may be written once its answer has started through `send`;
-        None once the connection is gone."""
-        protocol = self._protocol
-        return None if protocol is None else DirectSink(self, protocol, note)
 
     # -- ASGI ---------------------------------------------------------------------------------
     async def receive(self) -> Message:
@@ -312,9 +282,8 @@ class ClientLink:
 
 
 class ConnectionFlow:
-    """Flow control both ways for one client connection: what uvicorn's `FlowControl` does, as
-    a class of the gateway's, so that a streamed event's check of `write_paused` is a field read
-    in the compiled build, not an attribute looked up in an instance dict."""
+    """Flow control both ways for one client connection: reading pauses while a request's body
+    waits unread, writing waits while the transport's buffer is full."""
 
     __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
 
@@ -349,53 +318,10 @@ class ConnectionFlow:
             self._writable.set()
 
 
-class DirectSink:
-    """The client's side of one streamed answer, written without ASGI messages: each body chunk
-    in chunked framing, straight to the transport, from the worker connection's read callback
-    (`workers/http1.py`, `Answer.splice`). The answer's end still goes through `send`.
-
-    `note(data)` does the relay's bookkeeping for a chunk and returns its time (perf_counter)."""
-
-    __slots__ = ("_closing", "_flow", "_link", "_note", "_write", "last_write", "used")
-
-    def __init__(
-        self, link: ClientLink, protocol: GatewayHttpProtocol, note: Callable[[bytes], float]
-    ) -> None:
-        self.used = False  # anything written here
-        self.last_write = 0.0
-        self._link = link
-        self._flow = protocol.flow
-        self._note = note
-        # The transport's two methods a streamed event calls, bound once: each call is then a
-        # call, not a method looked up on uvloop's transport type first.
-        transport = protocol.transport
-        self._write: Callable[[bytes], object] = transport.write
-        self._closing: Callable[[], bool] = transport.is_closing
-
-    def ready(self) -> bool:
-        """The answer has started in chunked framing and the client takes bytes now."""
-        link = self._link
-        return link.chunked and not link.done and self._takes_bytes()
-
-    def offer(self, data: bytes) -> bool:
-        """Once per relayed event. While a splice runs, its answer has started and is not over
-        (only the relay ends it, after the splice), so only the client's side can change: gone
-        (its transport closing) or not taking bytes (writing paused)."""
-        if not self._takes_bytes():
-            return False
-        self.used = True
-        self.last_write = self._note(data)
-        self._write(b"%x\r\n%b\r\n" % (len(data), data))
-        return True
-
-    def _takes_bytes(self) -> bool:
-        return not (self._flow.write_paused or self._closing())
-
-
 class GatewayHttpProtocol(asyncio.Protocol):
     """HTTP/1.1 over httptools for uvicorn's `Server` (module docstring)."""
 
-    flow: ConnectionFlow  # from connection_made on (a compiled field cannot hold None first)
+    flow: ConnectionFlow  # from connection_made on
 
     def __init__(
         self,

@@ -27,7 +27,7 @@ import structlog
 
 from mineru_gateway.api.accounting import ExchangeRecord
 from mineru_gateway.api.auth import upstream_authorization
-from mineru_gateway.api.connection import ClientLink, DirectSink
+from mineru_gateway.api.connection import ClientLink
 from mineru_gateway.api.context import GatewayContext, gateway_context
 from mineru_gateway.api.requests import (
     ClientDisconnected,
@@ -161,10 +161,6 @@ class Exchange:
         """The usage object of a stream's last usage event (vLLM's, before [DONE]), if one of
         its last two chunks carries one."""
         return _stream_usage(self._last) or _stream_usage(self._tail)
-
-    def direct_sink(self) -> DirectSink | None:
-        """Where the rest of a started stream may be written below ASGI (api/connection.py)."""
-        return self._link.sink(self.note) if self._link is not None else None
 
     def measure_gaps(self, series: Series) -> None:
         """From now on, every gap between chunks goes to `series` (inter-token latency)."""
@@ -353,8 +349,6 @@ class Relay:
             )
         outcome: Outcome | None = SUCCESS  # None: the attempt says nothing about the worker
         try:
-            # Not `upstream: UpstreamResponse | None = None` with a `finally` that tests it:
-            # compiled (setup.py), such a variable read after a failed await is a TypeError.
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
             try:
                 await _relay_response(upstream, exchange, context.metrics, request, lease)
@@ -371,7 +365,7 @@ class Relay:
             refused = not isinstance(error, UpstreamConnectTimeout)
             outcome = Outcome.failed("connect_error", str(error), eject_now=refused)
             raise _Retry("connect_error", error) from None
-        except UpstreamError as broken:  # compiled (setup.py): one name, one type per function
+        except UpstreamError as broken:
             if exchange.status is None:
                 # A dropped connection before any answer: a dead worker, or a keep-alive
                 # connection it had closed. Nothing reached the client; try another worker.
@@ -392,8 +386,7 @@ async def _relay_response(
     lease: Lease,
 ) -> None:
     if upstream.status == 200 and upstream.is_event_stream:
-        sink = exchange.direct_sink()
-        async for chunk in upstream.iter_chunks(sink):
+        async for chunk in upstream.iter_chunks():
             if exchange.status is None:
                 lease.prefilled()
                 await exchange.start(200, upstream.content_type)
@@ -404,7 +397,6 @@ async def _relay_response(
         if exchange.status is None:
             await exchange.start(200, upstream.content_type)
         await exchange.finish()
-        metrics.streams.inc("direct" if sink is not None and sink.used else "asgi")
     else:
         # Non-streaming answers and worker errors (a vLLM 400 for a too-long prompt, say) are
         # passed back with the worker's own status and body.

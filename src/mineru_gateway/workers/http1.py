@@ -8,11 +8,8 @@ while a worker needs only a request line, three headers and the body. This modul
 relay needs and no more:
 
 - one request per connection at a time, the body written at once (the relay holds it anyway);
-- an answer's headers, then its body as it arrives (`Answer.read_some`), or written straight to
-  a sink from the read callback while the sink takes bytes (`Answer.splice`: a relayed SSE event
-  then costs no task switch, docs/proxy-costs.md). In the compiled build, a spliced read that
-  is whole chunks, at a chunk boundary, is cut into chunks here (`_offer_whole_chunks`) rather
-  than by httptools: one SSE event is one chunk, and the parser and its callback cost more;
+- an answer's headers, then its body as it arrives (`Answer.read_some`), with reading from the
+  worker paused while a slow reader holds more than HIGH_WATER bytes;
 - a connection goes back to the pool the moment its answer has ended, and is closed instead if
   the answer did not end: that is how a worker learns nobody waits for its generation (vLLM
   aborts it and frees its KV cache).
@@ -28,7 +25,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Final, Protocol, cast
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -55,19 +52,6 @@ HIGH_WATER = 256 * 1024  # body bytes held for a reader before reading from the 
 ONE_WRITE = 64 * 1024  # a request body below this goes out in one write with its head
 
 
-class Sink(Protocol):
-    """Where a splice writes: the client's side of a streamed answer."""
-
-    last_write: float  # time.perf_counter() of the last write taken, 0.0 before any
-
-    def ready(self) -> bool:
-        """True when a splice may start (the answer has started and the client takes bytes)."""
-
-    def offer(self, data: bytes) -> bool:
-        """Sends `data` on, synchronously, if the client takes bytes now; False, with nothing
-        sent, if it does not (the splice then ends)."""
-
-
 class Answer:
     """A worker's answer once its headers are in: status, content type, and the body to come.
 
@@ -81,9 +65,7 @@ class Answer:
         "_buffered_bytes",
         "_connection",
         "_error",
-        "_offer",
         "_paused",
-        "_splice_over",
         "_waiter",
         "content_type",
         "ended",
@@ -100,9 +82,6 @@ class Answer:
         self._paused = False  # reading from the worker, held until the reader catches up
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        # A splice's sink.offer, bound once: called by the connection's on_body, the hot path
-        self._offer: Callable[[bytes], bool] | None = None
-        self._splice_over: asyncio.Future[None] | None = None
 
     # -- the reader's side ------------------------------------------------------------------
     async def read_some(self) -> bytes:
@@ -145,19 +124,6 @@ class Answer:
             parts.append(data)
         return b"".join(parts)
 
-    async def splice(self, sink: Sink) -> None:
-        """Writes the body to `sink` from the connection's read callback, for as long as the
-        sink takes it and the body goes on; returns when either stops (anything not written is
-        left for `read_some`)."""
-        if self._buffered or self.ended or self._error is not None or self._connection is None:
-            return
-        self._offer = sink.offer
-        self._splice_over = asyncio.get_running_loop().create_future()
-        try:
-            await self._splice_over
-        finally:
-            self._offer, self._splice_over = None, None
-
     def close(self) -> None:
         """Drops the connection unless the answer ended (then it is in the pool already)."""
         connection, self._connection = self._connection, None
@@ -166,10 +132,7 @@ class Answer:
 
     # -- the connection's side ----------------------------------------------------------------
     def _body(self, data: bytes) -> None:
-        """Body bytes no splice took (`_Connection.on_body` offers them first): kept for
-        `read_some`; a splice whose sink refused them ends."""
-        if self._offer is not None:
-            self._end_splice()
+        """Body bytes from the worker, kept for `read_some`."""
         self._buffered.append(data)
         self._buffered_bytes += len(data)
         if self._buffered_bytes > HIGH_WATER and not self._paused and self._connection is not None:
@@ -184,7 +147,6 @@ class Answer:
         if self._paused and self._connection is not None:
             self._connection.resume_reading()  # it goes back to the pool
         self._connection = None
-        self._end_splice()
         self._wake()
 
     def _fail(self, error: Exception) -> None:
@@ -192,7 +154,6 @@ class Answer:
             return
         self._error = error
         self._connection = None
-        self._end_splice()
         self._wake()
 
     def _wake(self) -> None:
@@ -200,64 +161,8 @@ class Answer:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _end_splice(self) -> None:
-        over = self._splice_over
-        if over is not None and not over.done():
-            over.set_result(None)
-        self._offer = None
-
 
 Slot = tuple[bool, str, int]  # TLS, host, port: the connections a request may reuse
-
-MAX_SIZE_DIGITS: Final = 8  # a chunk of up to 4 GiB; a longer size line is left to the parser
-# Compiled, cutting a read into chunks here costs less than the parser's call and its on_body
-# callback; interpreted, it costs more (about 0.8 against 0.2 us a chunk), so the pure build
-# leaves every read to the parser. Both ways offer the same chunks (tests/workers/test_http1.py
-# runs against both builds).
-CUT_CHUNKS_HERE: Final = not __file__.endswith(".py")
-
-
-def _offer_whole_chunks(answer: Answer, data: bytes) -> int:
-    """Offers the chunks `data` starts with (chunked framing, `data` starting at a chunk's size
-    line) to the answer's splice, one offer per chunk as the parser's on_body would make, for as
-    long as they are whole, plain (hex digits, CRLF, no extension) and not the last (size 0);
-    returns how many bytes it took. A chunk the sink refuses is kept for `read_some` and ends the
-    splice, as `_Connection.on_body` does, and the bytes after it are left to the parser."""
-    taken, end = 0, len(data)
-    while taken < end:
-        size, at, limit = 0, taken, taken + MAX_SIZE_DIGITS
-        if limit > end:
-            limit = end
-        while at < limit:
-            byte = data[at]
-            if 48 <= byte <= 57:  # 0-9
-                size = size * 16 + byte - 48
-            elif 97 <= byte <= 102:  # a-f
-                size = size * 16 + byte - 87
-            elif 65 <= byte <= 70:  # A-F
-                size = size * 16 + byte - 55
-            else:
-                break
-            at += 1
-        start = at + 2
-        stop = start + size
-        if size == 0 or stop + 2 > end or not _crlf_at(data, at) or not _crlf_at(data, stop):
-            return taken
-        chunk = data[start:stop]
-        offer = answer._offer
-        taken = stop + 2
-        if offer is None or not offer(chunk):
-            answer._body(chunk)
-            return taken
-    return taken
-
-
-def _crlf_at(data: bytes, at: int) -> bool:
-    return data[at] == 13 and data[at + 1] == 10  # the caller checked at + 1 < len(data)
-
-
-def _ends_with_crlf(data: bytes) -> bool:
-    return len(data) >= 2 and _crlf_at(data, len(data) - 2)
 
 
 class _Connection(asyncio.Protocol):
@@ -278,8 +183,6 @@ class _Connection(asyncio.Protocol):
         self._sized = False  # the answer has a Content-Length or chunked framing
         self._head_bytes = 0
         self.idle_since = 0.0
-        self._chunk_done = False  # the parser's last callback ended a chunk
-        self._at_boundary = False  # the parser waits for a chunk's size line (data_received)
 
     # -- the pool's side ----------------------------------------------------------------------
     def send(self, head: bytes, body: bytes) -> asyncio.Future[Answer]:
@@ -321,24 +224,11 @@ class _Connection(asyncio.Protocol):
         if answer is None:  # bytes nobody asked for: the connection is not to be trusted
             self.abort()
             return
-        if CUT_CHUNKS_HERE and self._at_boundary and answer._offer is not None:
-            # Once per relayed event: whole chunks go to the splice without the parser, which
-            # is left where it was, between chunks; whatever is not whole chunks it still reads.
-            taken = _offer_whole_chunks(answer, data)
-            if taken == len(data):
-                return
-            data = data[taken:]
-        self._chunk_done = False
         try:
             self._feed(data)
         except httptools.HttpParserError as error:
             self._failed(Malformed(f"malformed answer: {error}"))
             self.abort()
-            return
-        # Between chunks if the parser's last callback ended a chunk and nothing came after:
-        # any bytes after it would be a size line, and a size line ending in CRLF is a whole
-        # one, which would have called on_chunk_header.
-        self._at_boundary = self._chunk_done and _ends_with_crlf(data)
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost follows
@@ -376,21 +266,11 @@ class _Connection(asyncio.Protocol):
             head.set_result(answer)
 
     def on_body(self, body: bytes) -> None:
-        # Once per relayed event: a splice's sink is offered the bytes here, not in a call more.
         answer = self._answer
         if answer is not None:
-            offer = answer._offer
-            if offer is None or not offer(body):
-                answer._body(body)
-
-    def on_chunk_header(self) -> None:
-        self._chunk_done = False
-
-    def on_chunk_complete(self) -> None:
-        self._chunk_done = True
+            answer._body(body)
 
     def on_message_complete(self) -> None:
-        self._chunk_done = False  # so the connection goes back to the pool not between chunks
         answer, self._answer = self._answer, None
         if answer is None:
             return

@@ -520,7 +520,7 @@ class WorkerRegistry:
                 log.info("worker_probe_slow", worker=worker.url, error=str(exc))
             else:
                 self._set_health(worker, False, str(exc))
-        except GatewayError as failed:  # compiled (setup.py): one name, one type per function
+        except GatewayError as failed:
             self._set_health(worker, False, str(failed))
         except (KeyError, TypeError) as bad:
             self._set_health(worker, False, f"unexpected /v1/models answer: {bad!r}")

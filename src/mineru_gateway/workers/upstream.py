@@ -30,10 +30,9 @@ from mineru_gateway.workers.http1 import (
     Disconnected,
     Http1Pool,
     Malformed,
-    Sink,
 )
 
-__all__ = ["KEEPALIVE_S", "Chunks", "Sink", "Timeouts", "UpstreamClient", "UpstreamResponse"]
+__all__ = ["KEEPALIVE_S", "Chunks", "Timeouts", "UpstreamClient", "UpstreamResponse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +54,6 @@ class _Watchdog:
 
     `asyncio.timeout(...).reschedule()` per chunk costs a timer handle each time (~3 us, a few
     percent of the relay's whole cost per event); this timer is re-armed only when it fires.
-    During a splice, chunks go from the connection's read callback to the client without
-    passing here: the timer reads the sink's last write when it fires instead of being told of
-    each one (a call per relayed event less).
     """
 
     def __init__(self, first_s: float, idle_s: float) -> None:
@@ -70,7 +66,6 @@ class _Watchdog:
         self._limit = first_s
         self._waiting = True
         self._fired = False
-        self._sink: Sink | None = None
         self._handle = self._loop.call_later(first_s, self._check)
 
     def waiting(self) -> None:
@@ -86,16 +81,9 @@ class _Watchdog:
             self._handle.cancel()
             self._handle = self._loop.call_later(self._idle, self._check)
 
-    def splicing(self, sink: Sink) -> None:
-        """From now on, what `sink` is written is the worker's too (it is not silent)."""
-        self._sink = sink
-
     def _check(self) -> None:
         now = time.perf_counter()
-        last = self._last
-        if self._sink is not None and self._sink.last_write > last:
-            last = self._sink.last_write
-        deadline = last + self._limit
+        deadline = self._last + self._limit
         if self._waiting and now >= deadline:
             self._fired = True
             self._task.cancel()
@@ -143,9 +131,9 @@ class UpstreamResponse:
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker connection failed while reading: {exc}") from exc
 
-    def iter_chunks(self, sink: Sink | None = None) -> Chunks:
+    def iter_chunks(self) -> Chunks:
         """The body as it arrives, for `async for` (`Chunks`)."""
-        self._chunks = Chunks(self._answer, self._timeouts, sink)
+        self._chunks = Chunks(self._answer, self._timeouts)
         return self._chunks
 
     def close(self) -> None:
@@ -158,23 +146,16 @@ class Chunks:
     """A streamed body's bytes as they arrive (`async for`), never waiting to merge them.
 
     The first chunk may take as long as queueing plus prefill (`first_byte_s`); after it, a
-    silence longer than `idle_s` ends the stream with UpstreamTimeout.
-
-    With a `sink`, whenever it is ready (the consumer has started its answer and its client
-    takes bytes), the body goes to the sink straight from the connection's read callback
-    instead (`Answer.splice`), and only what the sink could not take is yielded.
-
-    An iterator class rather than an async generator so that it compiles (setup.py) like the
-    rest of a stream's path; the watchdog stops at the end, at an error, or when the response
-    is closed (`UpstreamResponse.close`), whichever comes first.
+    silence longer than `idle_s` ends the stream with UpstreamTimeout. The watchdog stops at
+    the end, at an error, or when the response is closed (`UpstreamResponse.close`), whichever
+    comes first.
     """
 
-    __slots__ = ("_answer", "_sink", "_timeouts", "_watchdog")
+    __slots__ = ("_answer", "_timeouts", "_watchdog")
 
-    def __init__(self, answer: Answer, timeouts: Timeouts, sink: Sink | None) -> None:
+    def __init__(self, answer: Answer, timeouts: Timeouts) -> None:
         self._answer = answer
         self._timeouts = timeouts
-        self._sink = sink
         self._watchdog: _Watchdog | None = None
 
     def __aiter__(self) -> Chunks:
@@ -190,10 +171,6 @@ class Chunks:
         try:
             if not first:  # the consumer has taken the last chunk
                 watchdog.waiting()
-                sink = self._sink
-                if sink is not None and sink.ready():
-                    watchdog.splicing(sink)
-                    await self._answer.splice(sink)
             chunk = await self._answer.read_some()
         except asyncio.CancelledError:
             watchdog.stop()
@@ -258,7 +235,7 @@ class UpstreamClient:
         """
         try:
             answer = await self.pool.request("POST", url, headers, body, self.timeouts.first_byte_s)
-        except ConnectFailed as failed:  # compiled (setup.py): one name, one type per function
+        except ConnectFailed as failed:
             if failed.timed_out:
                 raise UpstreamConnectTimeout(str(failed)) from None
             raise UpstreamConnectError(f"cannot reach worker {url}: {failed}") from None
@@ -285,8 +262,6 @@ class UpstreamClient:
         with two workers; a second timer around every one was idle work."""
         started = time.monotonic()
         try:
-            # The answer closed by a `try` of its own (as in `Relay._attempt`): compiled, an
-            # `answer: Answer | None = None` tested in a `finally` fails after a failed await.
             answer = await self.pool.request("GET", url, {}, b"", timeout_s)
             try:
                 body = answer.whole()
@@ -297,7 +272,7 @@ class UpstreamClient:
                 answer.close()
         except TimeoutError:
             raise UpstreamTimeout(f"GET {url} took longer than {timeout_s} s") from None
-        except ConnectFailed as failed:  # compiled: one name, one type per function
+        except ConnectFailed as failed:
             raise UpstreamConnectError(f"cannot reach {url}: {failed}") from None
         except BROKEN_BODY as exc:
             raise UpstreamError(f"GET {url} failed: {exc}") from exc
