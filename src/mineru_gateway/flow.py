@@ -26,8 +26,7 @@ flight for its weight), the fair-queuing tag second: each process's tags run on 
 advanced by its own dispatches, and cannot be compared with another's, while shares can, and
 `share()` ranks queue heads across the processes (workers/group_load.py, `QueueHeads`). Ordered
 by tags, a light tenant's request queued behind a flooding tenant's in one process while that
-process's dispatches were a fraction of the fleet's (TTFT p99 3.2 s against 0.38 s with one
-process: benchmarks/results/flow_processes.md).
+process's dispatches were a fraction of the fleet's (docs/flow-control.md).
 
 Backpressure: the queue is bounded in requests and in bytes (page images are megabytes), per
 tenant (when configured) and in total. When the total is full, the request that goes is the newest
@@ -415,8 +414,8 @@ class DrainRate:
     Every refused request is given its own slot after the queue ahead of it has drained, one
     completion interval after the previous refused one: when many are refused at once (a MinerU
     client keeps 100 outstanding) they come back spread over the time the fleet needs for them,
-    not all in the same second to be refused again (MinerU's client retries only 3 times; the
-    same Retry-After for all lost 78 of 100 pages, benchmarks/results/flow_mineru_client.md).
+    not all in the same second to be refused again (MinerU's client retries only 3 times: one
+    Retry-After for all loses most of a burst's pages, docs/flow-control.md).
     Completions, not dispatches, are counted: the burst that fills idle workers at the onset of
     an overload (a dozen dispatches in a millisecond) says nothing of the fleet's pace, and the
     rate's span is at least `min_span_s` for the same reason.

@@ -1,10 +1,10 @@
 """Routing policies: immutable worker views in, a choice out.
 
-Pure on purpose (STYLE.md): no I/O, no web objects, no clocks. The registry builds a `WorkerView`
+Pure on purpose (docs/architecture.md): no I/O, no web objects, no clocks. The registry builds a `WorkerView`
 per worker from what it knows and a policy picks one. Randomness comes from the caller's
 `random.Random`, so tests can seed it.
 
-The load signal (issue 3) combines two sources:
+The load signal combines two sources:
 - the gateway's own in-flight requests and their estimated cost: exact and instant, so consecutive
   decisions see each other and a burst cannot herd onto one worker;
 - the worker's own queue from its `/metrics` (`vllm:num_requests_waiting`/`running`,

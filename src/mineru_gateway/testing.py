@@ -206,9 +206,8 @@ def wait_http_ok(
 #
 # vLLM runs as three processes (API server, `VLLM::EngineCore`, `VLLM::Worker`, plus a
 # multiprocessing resource tracker); the server starts in a session of its own, and `stop()` ends
-# that whole process group. Measured here (2 cores, tiny model, the flags below): ready in about
-# 21-23 s alone or 31-36 s for two at once, about 2.5 GB PSS per server (1 GiB of it KV cache),
-# about 15-20 ms per 8-token chat completion.
+# that whole process group. On these machines (2 cores, the tiny model, the flags below) a server
+# is ready in tens of seconds and takes a few GB (docs/running-locally.md).
 #
 # CPU pinning: `VLLM_CPU_OMP_THREADS_BIND` takes `auto` (the default here: on one NUMA node it
 # binds the worker to all cores but the last, reserved for the API server), `nobind`, or a core
@@ -219,8 +218,8 @@ PYTHON_ENV = "MINERU_VLLM_PYTHON"
 MODEL_ENV = "MINERU_TINY_MODEL"
 
 # Small and quick on a 2-core machine: float32 is faster than bfloat16 on this CPU for the tiny
-# model (about 20 ms against 47 ms per request); --enforce-eager skips torch.compile's warm-up,
-# which more than halves the start (22 s against 52 s). Later flags in `extra_args` win.
+# model; --enforce-eager skips torch.compile's warm-up, which more than halves the start (docs/
+# running-locally.md). Later flags in `extra_args` win.
 VLLM_DEFAULT_ARGS: tuple[str, ...] = (
     "--max-model-len",
     "2048",

@@ -1,11 +1,11 @@
 """Reading a worker's load from its vLLM `/metrics` text. Pure, and cheap on purpose.
 
-The gateway reads every worker's load several times a second (issue 3). A full Prometheus
+The gateway reads every worker's load several times a second. A full Prometheus
 parse of vLLM's exposition (tens of kilobytes of histograms) costs milliseconds of the event loop
 each time; the few series routing needs are found by a prefix scan instead.
 
-It asks for those series only (`LOAD_PATH`): vLLM renders its whole page on every read, 8 ms of
-its API server's CPU, against 1 ms for the filtered one (benchmarks/results/scrape_cost.md).
+It asks for those series only (`LOAD_PATH`): vLLM renders its whole page on every read, several
+times the API server's CPU of the filtered one (docs/vllm.md).
 vLLM applies the filter on `/metrics/` only, and not at all with several API servers; the
 registry then falls back to `FULL_PATH` (docs/vllm.md).
 """
