@@ -12,7 +12,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pydantic
+import pytest
 
+from mineru_gateway.api.connection import Timeouts
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.entry.server import edge_timeouts
 from tests.support.servers import CliProcess, free_port, wait_until
 
 SCRIPT = """
@@ -96,3 +101,11 @@ def _health(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_the_edges_clocks_come_from_the_settings_and_keep_alive_stays_above_5_s() -> None:
+    settings = GatewaySettings(head_timeout_s=2, body_idle_timeout_s=3, keep_alive_timeout_s=6)
+    assert edge_timeouts(settings) == Timeouts(head_s=2, body_idle_s=3, keep_alive_s=6)
+    assert edge_timeouts(GatewaySettings()) == Timeouts(10, 30, 30)
+    with pytest.raises(pydantic.ValidationError, match="keep_alive_timeout_s"):
+        GatewaySettings(keep_alive_timeout_s=5)  # MinerU's client's own expiry

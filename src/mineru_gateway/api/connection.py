@@ -557,7 +557,8 @@ class GatewayHttpProtocol(asyncio.Protocol):
         """The bytes are no HTTP/1.1, or a body's framing broke (RFC 9112): nothing after it
         can be read. 400 if no answer has started, else the connection closes (after the
         answer before, for a pipelined request)."""
-        cause = error.__context__ if isinstance(error.__context__, _Malformed) else error
+        context = error.__context__  # what a callback raised: its reason is the better one
+        cause = context if isinstance(context, (_Malformed, httptools.HttpParserError)) else error
         broken, self.reading = self.reading, None
         client = self.client
         log.info("malformed_request", client=client[0] if client else None, reason=str(cause))
