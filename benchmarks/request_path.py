@@ -119,11 +119,8 @@ async def _run(
     image_kb: int = 0,
     stream: bool = False,
 ) -> dict[str, Any]:
-    import uvicorn
-    from uvicorn.server import ServerState
-
     from mineru_gateway.api.app import create_app
-    from mineru_gateway.api.connection import GatewayHttpProtocol
+    from mineru_gateway.api.connection import Edge, GatewayHttpProtocol
     from mineru_gateway.config import GatewaySettings
     from mineru_gateway.entry.logs import configure_logging
 
@@ -138,20 +135,9 @@ async def _run(
 
     async with app.api.router.lifespan_context(app.api) as state:
         await _until_healthy(app, state)
-        config = uvicorn.Config(
-            _floor if floor else app,
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-            proxy_headers=False,
-            timeout_keep_alive=30,
-        )
-        config.load()
-        server = ServerState()
-        clients = [
-            _Client(GatewayHttpProtocol(config, server, dict(state or {})))
-            for _ in range(CONCURRENCY)
-        ]
+        edge = Edge(_floor if floor else app)
+        edge.app_state = dict(state or {})
+        clients = [_Client(GatewayHttpProtocol(edge)) for _ in range(CONCURRENCY)]
 
         async def loop(client: _Client, count: int) -> None:
             for _ in range(count):

@@ -10,9 +10,8 @@ from typing import Any
 import pytest
 
 from mineru_gateway.api.app import create_app
-from mineru_gateway.api.connection import GatewayHttpProtocol
 from mineru_gateway.config import GatewaySettings
-from tests.support.servers import serve
+from tests.support.servers import serve, serve_gateway
 from tests.support.workers import Script, scripted_worker
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -35,8 +34,8 @@ def start_gateway(servers: ExitStack) -> StartGateway:
     def start(workers: list[str], **settings: Any) -> str:
         settings = {"port": 0, "health_interval_s": 0.2, "log_level": "warning"} | settings
         app = create_app(GatewaySettings(workers=workers, **settings))
-        # The gateway's own server protocol, as `serve` runs it (entry/server.py).
-        return servers.enter_context(serve(app, http=GatewayHttpProtocol))
+        # The gateway's own server, as `serve` runs it (entry/server.py).
+        return servers.enter_context(serve_gateway(app))
 
     return start
 

@@ -16,6 +16,7 @@ from mineru_gateway.errors import (
     NoHealthyWorker,
     Overloaded,
     PermissionDenied,
+    RequestTimeout,
     RequestTooLarge,
     ShuttingDown,
     UnknownPath,
@@ -37,6 +38,7 @@ TREE = [
     (UnknownWorker, GatewayError, 404, "invalid_request_error", "unknown_worker"),
     (UnknownPath, GatewayError, 404, "invalid_request_error", "not_found"),
     (Conflict, GatewayError, 409, "invalid_request_error", "conflict"),
+    (RequestTimeout, GatewayError, 408, "invalid_request_error", "request_timeout"),
     (RequestTooLarge, GatewayError, 413, "invalid_request_error", "request_too_large"),
     (
         HeadersTooLarge,

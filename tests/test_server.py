@@ -1,13 +1,28 @@
-"""The gateway's uvicorn server (entry/server.py), in a process of its own: what its startup
-leaves for the garbage collector."""
+"""The gateway's own server (entry/server.py), in processes of their own: what its startup
+leaves for the garbage collector, its log lines in JSON mode, a stop on SIGTERM, and an address
+it cannot bind."""
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import httpx
+import pydantic
+import pytest
+
+from mineru_gateway.api.connection import Timeouts
+from mineru_gateway.config import GatewaySettings
+from mineru_gateway.entry.server import edge_timeouts
+from tests.support.servers import CliProcess, free_port, wait_until
 
 SCRIPT = """
 import asyncio, gc
+from mineru_gateway.entry.logs import configure_logging
 from mineru_gateway.entry.server import make_server
 
 async def app(scope, receive, send):
@@ -17,7 +32,7 @@ async def app(scope, receive, send):
         await send({"type": "lifespan.shutdown.complete"})
 
 async def main():
-    server = make_server(app, "127.0.0.1", 0, "warning")
+    server = make_server(app, "127.0.0.1", 0)
     before = gc.get_freeze_count()
     serving = asyncio.create_task(server.serve())
     while not server.started:
@@ -26,6 +41,7 @@ async def main():
     server.should_exit = True
     await serving
 
+configure_logging("warning", "json")
 asyncio.run(main())
 """
 
@@ -36,3 +52,60 @@ def test_once_listening_what_startup_made_is_frozen_out_of_the_collectors_way() 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "True"]
+
+
+def _log_lines(path: Path) -> list[dict[str, object]]:
+    """Every line of a JSON log, parsed: a line that is not JSON fails the test."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_in_json_mode_every_line_the_server_logs_is_json_and_sigterm_exits_0(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    gateway = CliProcess.mineru_gateway(
+        "serve", "--port", str(port), "--workers", "http://127.0.0.1:9", "--log-format", "json"
+    )
+    log = tmp_path / "gateway.log"
+    proc = gateway.start(log_path=str(log))
+    try:
+        wait_until(lambda: _health(port), 30, "the gateway answering")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        gateway.stop()
+    events = [line["event"] for line in _log_lines(log)]
+    assert "server_listening" in events and events[-1] == "server_stopped"
+
+
+def test_an_address_it_cannot_bind_exits_3_with_the_reason_logged(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        gateway = CliProcess.mineru_gateway(
+            "serve", "--port", str(port), "--workers", "http://127.0.0.1:9"
+        )
+        log = tmp_path / "gateway.log"
+        proc = gateway.start(log_path=str(log))
+        try:
+            assert proc.wait(timeout=30) == 3
+        finally:
+            gateway.stop()
+    lines = _log_lines(log)
+    assert [line["port"] for line in lines if line["event"] == "cannot_listen"] == [port]
+
+
+def _health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_the_edges_clocks_come_from_the_settings_and_keep_alive_stays_above_5_s() -> None:
+    settings = GatewaySettings(head_timeout_s=2, body_idle_timeout_s=3, keep_alive_timeout_s=6)
+    assert edge_timeouts(settings) == Timeouts(head_s=2, body_idle_s=3, keep_alive_s=6)
+    assert edge_timeouts(GatewaySettings()) == Timeouts(10, 30, 30)
+    with pytest.raises(pydantic.ValidationError, match="keep_alive_timeout_s"):
+        GatewaySettings(keep_alive_timeout_s=5)  # MinerU's client's own expiry

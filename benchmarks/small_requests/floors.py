@@ -26,7 +26,8 @@ from typing import Any
 import uvicorn
 import uvloop
 
-from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
+from mineru_gateway.api.connection import ClientLink
+from mineru_gateway.entry import server
 from mineru_gateway.workers.http1 import Http1Pool
 
 from . import CHAT
@@ -112,13 +113,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     relay = Relay(args.upstreams.split(","))
     if args.mode == "raw":
         uvloop.run(serve_forever(lambda: RawProtocol(relay), args.port))
+    elif args.mode == "link":
+        server.run(asgi_app(relay), "127.0.0.1", args.port)  # the gateway's own server
     else:
         uvicorn.run(
             asgi_app(relay),
             host="127.0.0.1",
             port=args.port,
             loop="uvloop",
-            http=GatewayHttpProtocol if args.mode == "link" else "httptools",
+            http="httptools",
             lifespan="off",
             log_level="warning",
             access_log=False,

@@ -209,6 +209,25 @@ class GatewaySettings(BaseSettings):
     metrics_host: str | None = Field(
         None, description="Where the metrics listener binds; unset: the gateway's host."
     )
+    head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="From a request head's first byte to its end; a client slower than that "
+        "gets 408 and is disconnected (nginx's client_header_timeout).",
+    )
+    body_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest silence within a request body the gateway waits for; past it 408 "
+        "and the request is dropped (nginx's client_body_timeout).",
+    )
+    keep_alive_timeout_s: float = Field(
+        30.0,
+        gt=5,
+        description="An idle client connection is closed after this long. Above 5 s: MinerU's "
+        "client drops idle connections after 5 s itself, and must be the one to do it, or it "
+        "may send a request on a connection the gateway is closing.",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="Connecting to a worker.")
     first_byte_timeout_s: float = Field(
         600.0,

@@ -11,6 +11,8 @@
     ├── UnknownPath                   404  invalid_request_error / not_found
     ├── Conflict                      409  invalid_request_error / conflict, or why
     │                                      (restart_in_progress, not_supervised, ...)
+    ├── RequestTimeout                408  invalid_request_error / request_timeout (a head or
+    │                                      body that stopped coming: api/connection.py)
     ├── RequestTooLarge               413  invalid_request_error / request_too_large
     ├── HeadersTooLarge               431  invalid_request_error /
     │                                      request_header_fields_too_large
@@ -128,6 +130,14 @@ class Conflict(GatewayError):
     status = 409
     type = "invalid_request_error"
     code = "conflict"
+
+
+class RequestTimeout(GatewayError):
+    """A client that stopped sending its request part way (docs/http-edge.md)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class RequestTooLarge(GatewayError):

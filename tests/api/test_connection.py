@@ -1,10 +1,10 @@
-"""The gateway's server protocol and the client link it hands the relay (api/connection.py), on a
-real uvicorn server: whole answers in one write that keep keep-alive, `Connection: close` and
-pipelining, byte for byte what uvicorn's own protocol writes; a lost connection reported once,
-also to a late caller; no link under uvicorn's own protocols; the relay's disconnect handling,
-and large request bodies (in pieces, chunked, over the limit, after `100 Continue`, pipelined,
-cut off), the same on both paths. What else the protocol took over from uvicorn's:
-tests/api/test_server_protocol.py."""
+"""The gateway's server protocol and the client link it hands the relay (api/connection.py), on the
+gateway's own server (entry/server.py): whole answers in one write that keep keep-alive,
+`Connection: close` and pipelining, byte for byte what uvicorn's own protocol writes; a lost
+connection reported once, also to a late caller; no link under uvicorn's own protocols; the
+relay's disconnect handling, and large request bodies (in pieces, chunked, over the limit, after
+`100 Continue`, pipelined, cut off), the same on both paths. What else the protocol took over
+from uvicorn's: tests/api/test_server_protocol.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ from mineru_gateway.api.app import create_app
 from mineru_gateway.api.connection import ClientLink, GatewayHttpProtocol
 from mineru_gateway.config import GatewaySettings
 from tests.support.raw_http import chunk, connect, content_length, exchange
-from tests.support.servers import serve, wait_until
+from tests.support.servers import serve, serve_gateway, wait_until
 from tests.support.workers import Script
 
 
@@ -70,10 +70,18 @@ class LinkApp:
         self.lost.set()
 
 
+def _serve(app: Any, http: Any) -> AbstractContextManager[str]:
+    """`app` on the gateway's own server for `http=GatewayHttpProtocol`, else on uvicorn with
+    its protocol `http`."""
+    if http is GatewayHttpProtocol:
+        return serve_gateway(app)
+    return serve(app, http=http)
+
+
 @contextmanager
 def link_server(http: Any = GatewayHttpProtocol) -> Iterator[tuple[LinkApp, str]]:
     app = LinkApp()
-    with serve(app, http=http, lifespan="off") as url:
+    with _serve(app, http) as url:
         yield app, url
 
 
@@ -85,7 +93,7 @@ def test_whole_answers_through_the_link_keep_the_connection_alive() -> None:
     ]
     assert answers[0].headers["content-length"] == "3"
     assert "transfer-encoding" not in answers[0].headers
-    assert answers[0].headers["server"] == "uvicorn"  # uvicorn's default headers kept
+    assert answers[0].headers["server"] == "mineru-gateway"  # the server's default headers
     assert all(link is not None for link in app.links)
     assert len(set(map(tuple, app.clients))) == 1  # one connection for all three
 
@@ -137,19 +145,22 @@ class SameAnswer:
 
 
 def test_an_answer_through_the_link_is_byte_for_byte_what_uvicorns_send_writes() -> None:
-    """`ClientLink.respond` writes a head as uvicorn's `send` does, in one write instead of two:
-    if an uvicorn release changes its heads, this fails rather than the two drifting apart."""
+    """`ClientLink.respond` writes a head as uvicorn's `send` does, in one write instead of two
+    (but for the `server` header's value): if an uvicorn release changes its heads, this fails
+    rather than the two drifting apart."""
     requests = (
         b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
         b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     )
     answers = []
     for http in (GatewayHttpProtocol, "httptools"):
-        with serve(SameAnswer(), http=http, lifespan="off") as url:
+        with _serve(SameAnswer(), http) as url:
             answer = exchange(url, requests)
         answers.append(
             b"".join(
-                line for line in answer.splitlines(keepends=True) if not line.startswith(b"date: ")
+                line
+                for line in answer.splitlines(keepends=True)
+                if not line.startswith((b"date: ", b"server: "))
             )
         )
     through_link, through_send = answers
@@ -209,9 +220,9 @@ def test_the_gateways_requests_leave_no_reference_cycles(
 
 @contextmanager
 def _gateway(worker: str, http: Any, **settings: Any) -> Iterator[str]:
-    """The gateway over `worker` on a real uvicorn with protocol `http`, once it is ready."""
+    """The gateway over `worker` on a real server (`_serve`), once it is ready."""
     app = create_app(GatewaySettings(workers=[worker], port=0, health_interval_s=0.2, **settings))
-    with serve(app, http=http) as gateway:
+    with _serve(app, http) as gateway:
         wait_until(lambda: httpx.get(gateway + "/ready").status_code == 200, 10, "ready")
         yield gateway
 

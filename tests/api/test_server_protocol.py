@@ -1,7 +1,8 @@
-"""The gateway's HTTP/1.1 server protocol (api/connection.py) on a real uvicorn server: what it
-took over from uvicorn's own protocol besides the link (tests/api/test_connection.py): the idle
-keep-alive timeout, malformed and upgrade requests, HTTP/1.0, HEAD, chunked answers, an app
-that fails or answers nothing, the graceful shutdown, and the config it refuses."""
+"""The gateway's HTTP/1.1 server protocol (api/connection.py) on the gateway's own server
+(entry/server.py): what it took over from uvicorn's protocol besides the link
+(tests/api/test_connection.py): the idle keep-alive timeout, malformed and upgrade requests,
+HTTP/1.0, HEAD, chunked answers, an app that fails or answers nothing, the graceful shutdown.
+What hostile clients get: tests/api/test_hostile_clients.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from uvicorn.server import ServerState
 
-from mineru_gateway.api.connection import MAX_HEAD_BYTES, GatewayHttpProtocol
+from mineru_gateway.api.connection import MAX_HEAD_BYTES, Timeouts
 from tests.support.raw_http import connect, exchange, until_closed
-from tests.support.servers import ServerThread, serve, wait_until
+from tests.support.servers import GatewayServerThread, serve_gateway, wait_until
 
 MISUSES: dict[str, list[dict[str, Any]]] = {
     # path: the messages sent, the last of which `send` refuses
@@ -92,13 +91,13 @@ class App:
 
 
 @contextmanager
-def server(app: App | None = None, **config: Any) -> Iterator[str]:
-    with serve(app or App(), http=GatewayHttpProtocol, lifespan="off", **config) as url:
+def server(app: App | None = None, **timeouts: float) -> Iterator[str]:
+    with serve_gateway(app or App(), timeouts=Timeouts(**timeouts)) as url:
         yield url
 
 
 def test_an_idle_connection_is_closed_after_the_keep_alive_timeout() -> None:
-    with server(timeout_keep_alive=0.5) as url, connect(url) as client:
+    with server(keep_alive_s=0.5) as url, connect(url) as client:
         for _ in range(3):  # answers within the timeout keep it open
             client.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
             assert client.recv(65536).endswith(b"GET /a 1.1")
@@ -109,12 +108,12 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout() -> None:
 
 
 def test_a_connection_that_never_sends_is_closed_after_the_keep_alive_timeout() -> None:
-    with server(timeout_keep_alive=0.3) as url, connect(url) as client:
+    with server(keep_alive_s=0.3) as url, connect(url) as client:
         assert until_closed(client) == b""
 
 
 def test_a_request_longer_than_the_keep_alive_timeout_is_answered() -> None:
-    with server(timeout_keep_alive=0.2) as url, connect(url) as client:
+    with server(keep_alive_s=0.2) as url, connect(url) as client:
         client.sendall(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
         assert client.recv(65536).endswith(b"GET /wait 1.1")
 
@@ -122,9 +121,10 @@ def test_a_request_longer_than_the_keep_alive_timeout_is_answered() -> None:
 def test_a_malformed_request_is_answered_400_and_the_connection_closed() -> None:
     with server() as url:
         answer = exchange(url, b"NOT HTTP AT ALL\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
-    assert b"connection: close\r\n" in answer
-    assert answer.endswith(b"\r\n\r\nInvalid HTTP request received.")
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"connection: close" in head.split(b"\r\n")
+    assert json.loads(body)["error"]["code"] == "malformed_request"
 
 
 def test_a_head_that_never_ends_is_refused_431_once_past_its_cap() -> None:
@@ -152,11 +152,14 @@ def test_a_malformed_request_after_a_good_one_ends_the_connection_after_its_answ
     assert b"connection: close\r\n" in answer
 
 
-def test_an_upgrade_request_is_served_as_a_plain_one_then_the_connection_closed() -> None:
+def test_an_upgrade_request_is_served_as_a_plain_one_and_the_connection_kept() -> None:
     request = b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
     with server() as url:
-        answer = exchange(url, request)
-    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b"GET /ws 1.1")
+        answer = exchange(
+            url, request + b"GET /next HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+    first, second = answer.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert first.endswith(b"GET /ws 1.1") and second.endswith(b"GET /next 1.1")
 
 
 def test_http_1_0_is_answered_and_the_connection_closed() -> None:
@@ -228,14 +231,8 @@ def test_a_message_after_the_answer_is_refused_and_the_connection_goes_on() -> N
     assert app.refused == ["unexpected ASGI message 'http.response.body' after the answer"]
 
 
-def test_a_malformed_body_closes_the_connection_unanswered() -> None:
-    request = b"POST /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZZ\r\n"
-    with server() as url:
-        assert exchange(url, request) == b""
-
-
 def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answer() -> None:
-    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off", timeout_keep_alive=60)
+    thread = GatewayServerThread(App(), Timeouts(keep_alive_s=60))
     url = thread.start()
     with connect(url) as idle, connect(url) as busy:
         idle.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -253,7 +250,7 @@ def test_shutdown_closes_idle_connections_at_once_and_busy_ones_after_their_answ
 
 
 def test_shutdown_lets_a_request_whose_body_is_on_its_way_finish() -> None:
-    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off")
+    thread = GatewayServerThread(App())
     url = thread.start()
     with connect(url) as client:
         client.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
@@ -267,24 +264,13 @@ def test_shutdown_lets_a_request_whose_body_is_on_its_way_finish() -> None:
     assert b"connection: close\r\n" in answer
 
 
-@pytest.mark.parametrize("option", [{"root_path": "/api"}, {"limit_concurrency": 10}])
-def test_config_the_protocol_does_not_honour_is_refused(option: dict[str, Any]) -> None:
-    config = uvicorn.Config(App(), lifespan="off", **option)
-    loop = asyncio.new_event_loop()
-    try:
-        with pytest.raises(ValueError, match="root_path or limit_concurrency"):
-            GatewayHttpProtocol(config, ServerState(), {}, loop)
-    finally:
-        loop.close()
-
-
 def test_the_server_counts_answered_requests() -> None:
-    thread = ServerThread(App(), http=GatewayHttpProtocol, lifespan="off")
+    thread = GatewayServerThread(App())
     url = thread.start()
     try:
         with httpx.Client(base_url=url) as client:
             for _ in range(3):
                 client.get("/a")
-        wait_until(lambda: thread.server.server_state.total_requests == 3, 5, "3 requests")
+        wait_until(lambda: thread.server.edge.total_requests == 3, 5, "3 requests")
     finally:
         thread.stop()

@@ -1,4 +1,5 @@
-"""Real servers for tests: an ASGI app on uvicorn in a thread, or a CLI command in a subprocess.
+"""Real servers for tests: an ASGI app on uvicorn or on the gateway's own server in a thread,
+or a CLI command in a subprocess.
 
 Both listen on 127.0.0.1 with a port chosen by the OS, so tests never collide.
 """
@@ -17,12 +18,24 @@ from typing import IO, Any
 
 import httpx
 import uvicorn
+import uvloop
 
+from mineru_gateway.api.connection import Timeouts
+from mineru_gateway.entry.server import Server
 from mineru_gateway.testing import free_port, wait_until
 
 # free_port and wait_until live in mineru_gateway.testing; tests/api/test_relay.py imports
 # them from here.
-__all__ = ["CliProcess", "ServerThread", "free_port", "serve", "wait_for_series", "wait_until"]
+__all__ = [
+    "CliProcess",
+    "GatewayServerThread",
+    "ServerThread",
+    "free_port",
+    "serve",
+    "serve_gateway",
+    "wait_for_series",
+    "wait_until",
+]
 
 
 class ServerThread:
@@ -61,6 +74,55 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class GatewayServerThread:
+    """Runs `app` on the gateway's own server (entry/server.py, uvloop) in a daemon thread, as
+    `serve` runs it but for signals, which only reach the main thread."""
+
+    def __init__(
+        self,
+        app: Any,
+        timeouts: Timeouts | None = None,
+        graceful_timeout_s: float | None = None,
+    ) -> None:
+        self.server = Server(
+            app, "127.0.0.1", 0, timeouts=timeouts, graceful_timeout_s=graceful_timeout_s
+        )
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(self.server.serve())
+
+    def start(self, timeout: float = 20.0) -> str:
+        self.thread.start()
+        wait_until(self._started, timeout, "server start", poll=0.01)
+        return self.url
+
+    def _started(self) -> bool:
+        if not self.server.started and not self.thread.is_alive():
+            raise RuntimeError("server did not start")
+        return self.server.started
+
+    @property
+    def url(self) -> str:
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@contextmanager
+def serve_gateway(app: Any, **options: Any) -> Iterator[str]:
+    """`with serve_gateway(app) as url:` the gateway's own server for the block's duration."""
+    server = GatewayServerThread(app, **options)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 def wait_for_series(url: str, name: str, timeout: float = 15.0) -> str:

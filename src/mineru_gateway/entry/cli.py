@@ -161,7 +161,7 @@ def _sim(args: argparse.Namespace) -> int:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    server.run(app, args.host, args.port, args.log_level, on_signal=shut_down)
+    server.run(app, args.host, args.port, on_signal=shut_down)
     return 0
 
 
@@ -174,7 +174,7 @@ def _npu_exporter(args: argparse.Namespace) -> int:
         device_workers=devices,
         npu_exporter_names=args.npu_exporter_names,
     )
-    server.run(app, args.host, args.port, args.log_level)
+    server.run(app, args.host, args.port)
     return 0
 
 

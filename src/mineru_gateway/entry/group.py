@@ -8,7 +8,7 @@
 - SIGHUP (or `POST /v1/workers/restart`, `mineru-gateway workers restart`): a rolling restart,
   one worker at a time: drained, restarted, healthy again, then the next (workers/rolling.py).
 - SIGTERM/SIGINT: the gateway stops accepting connections and lets in-flight requests finish for
-  up to `drain_timeout_s` (uvicorn's graceful shutdown; a second signal skips the wait), then the
+  up to `drain_timeout_s` (the server's graceful shutdown; a second signal skips the wait), then the
   workers are stopped (TERM, then KILL, whole process groups) and the process exits 0.
 """
 
@@ -225,12 +225,12 @@ async def serve_group(
         create_app(settings, lifecycle, control),
         settings.host,
         settings.port,
-        settings.log_level,
         graceful_timeout_s=settings.drain_timeout_s,
+        timeouts=server.edge_timeouts(settings),
     )
     gateway.on_signal = lifecycle.start_draining
     serving = asyncio.create_task(gateway.serve(), name="gateway")
-    # uvicorn only exposes a flag for "listening": poll it briefly.
+    # The server only exposes a flag for "listening": poll it briefly.
     while not gateway.started and not serving.done():  # noqa: ASYNC110
         await asyncio.sleep(0.02)
     if not gateway.started:

@@ -117,8 +117,8 @@ def run_gateway(
         create_app(settings, lifecycle, siblings=siblings),
         settings.host,
         settings.port,
-        settings.log_level,
         graceful_timeout_s=settings.drain_timeout_s,
         on_signal=lifecycle.start_draining,
         sockets=sockets,
+        timeouts=server.edge_timeouts(settings),
     )
