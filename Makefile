@@ -36,12 +36,14 @@ run: install
 	$(BIN)/mineru-gateway up --engine sim --workers 4 --log-format console
 
 ## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks),
-## docker-compose (validates docker-compose.yml without an engine).
+## docker-compose (validates docker-compose.yml without an engine), redis-server (the shared
+## result cache's tests, tests/cache).
 system-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
-		&& command -v docker-compose >/dev/null || { \
+		&& command -v docker-compose >/dev/null && command -v redis-server >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null; }
+		apt-get install -y -qq --no-install-recommends prometheus docker-compose \
+		redis-server >/dev/null; }
 
 ## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model
 ## (docs/running-locally.md).
