@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
 	bench-flow-vllm mineru-vl-utils \
-	bench-mineru-client bench-soak vllm-router wrk-nginx clean
+	bench-mineru-client bench-soak bench-cache vllm-router wrk-nginx clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,12 +36,14 @@ run: install
 	$(BIN)/mineru-gateway up --engine sim --workers 4 --log-format console
 
 ## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks),
-## docker-compose (validates docker-compose.yml without an engine).
+## docker-compose (validates docker-compose.yml without an engine), redis-server (the shared
+## result cache's tests, tests/cache).
 system-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null \
-		&& command -v docker-compose >/dev/null || { \
+		&& command -v docker-compose >/dev/null && command -v redis-server >/dev/null || { \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -qq --no-install-recommends prometheus docker-compose >/dev/null; }
+		apt-get install -y -qq --no-install-recommends prometheus docker-compose \
+		redis-server >/dev/null; }
 
 ## Real vLLM on CPU in its own virtualenv, plus a tiny locally built model
 ## (docs/running-locally.md).
@@ -217,6 +219,11 @@ bench-processes-routing: install
 ## (issue 14; about 12 minutes). Results: benchmarks/results/soak.{json,md}.
 bench-soak: install
 	$(BIN)/python -m benchmarks.soak --out benchmarks/results/soak.json
+
+## Coalescing and the result cache on simulated workers, memory and Redis (about 4 minutes;
+## Debian's redis-server). Results: benchmarks/results/cache.{json,md}.
+bench-cache: install system-deps
+	$(BIN)/python -m benchmarks.cache --out benchmarks/results/cache.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -357,6 +357,41 @@ class GatewaySettings(BaseSettings):
     priority_header: str = Field(
         "x-priority", description="Header a client may set its priority in (lower first)."
     )
+    coalesce: bool = Field(
+        True,
+        description="Identical greedy requests in flight share one generation: one worker "
+        "request, every client the whole answer (non-streamed requests; docs/cache.md).",
+    )
+    cache: str = Field(
+        "off",
+        description="Answers of greedy requests kept for the next identical request: off, "
+        "memory (this process, an LRU bounded by cache_max_bytes) or redis://HOST:PORT/DB "
+        "(shared by every process and replica). docs/cache.md.",
+    )
+    cache_ttl_s: float = Field(86400.0, gt=0, description="How long a cached answer is kept.")
+    cache_max_bytes: int = Field(
+        512 * MIB, gt=0, description="Bytes of answers the memory cache holds in all."
+    )
+    cache_tenant_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of cache_max_bytes one tenant's answers may hold in the memory "
+        "cache; past it the tenant's own oldest answers go (docs/cache.md).",
+    )
+    cache_max_entry_bytes: int = Field(
+        1 * MIB, gt=0, description="Largest answer the cache keeps (larger ones are not kept)."
+    )
+    cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="tenant: a tenant's cached and coalesced answers serve only that tenant; "
+        "shared: identical requests of any tenants share them.",
+    )
+    cache_redis_timeout_s: float = Field(
+        0.05,
+        gt=0,
+        description="Longest wait for Redis per read or write; past it the read is a miss.",
+    )
     npu_smi: str = Field(
         "auto",
         description="NPU telemetry in /metrics: auto (npu-smi where installed, none without "
@@ -422,6 +457,13 @@ class GatewaySettings(BaseSettings):
     def tenant_configs(self) -> dict[str, TenantConfig]:
         """Tenants from `tenants_file` and `tenants`, by name."""
         return dict(self._all_tenants)
+
+    @field_validator("cache")
+    @classmethod
+    def _cache_store(cls, store: str) -> str:
+        if store in ("off", "memory") or store.startswith(("redis://", "rediss://", "unix://")):
+            return store
+        raise ValueError(f"cache must be off, memory or a redis:// URL, not {store!r}")
 
     @field_validator("workers", "worker_dns")
     @classmethod

@@ -31,6 +31,7 @@ from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
+from mineru_gateway.cache.service import build_result_cache
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import (
@@ -148,6 +149,7 @@ def build_context(
         priority_header=settings.priority_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
         siblings=siblings,
+        results=build_result_cache(settings),
     )
 
 
@@ -250,6 +252,8 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
         lambda: queue_gauges(context),
     )
     context.metrics_registry.register(collector)
+    if context.results is not None:
+        context.metrics_registry.register(context.results.collector())
     if telemetry is not None:
         names = context.settings.npu_exporter_names
         register_npu_metrics(context.metrics_registry, telemetry, npu_exporter_names=names)
@@ -349,6 +353,8 @@ def create_app(
             await discovery.stop()
             await context.registry.stop()
             await context.client.close()
+            if context.results is not None:
+                await context.results.close()
             if siblings is not None:
                 await siblings.close()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -23,6 +23,9 @@ from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.rolling import RollingRestart
 from mineru_gateway.workers.upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from mineru_gateway.cache.service import ResultCache
 
 STATE_KEY = "gateway"
 
@@ -77,6 +80,7 @@ class GatewayContext:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     rolling: RollingRestart | None = None  # when the gateway runs its workers (`up`)
     siblings: Siblings | None = None  # when the gateway runs as several processes
+    results: ResultCache | None = None  # coalescing and the result cache (cache/), when on
 
     def lifespan_state(self) -> dict[str, Any]:
         """What the lifespan yields: ASGI copies it into every request's scope["state"]."""

@@ -16,6 +16,7 @@ until its first chunk, so a worker dying while the request waits in its queue is
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import secrets
 import time
@@ -76,6 +77,7 @@ class Exchange:
         "attempts",
         "complete",
         "endpoint",
+        "extra_headers",
         "finished",
         "first_chunk",
         "last_chunk",
@@ -119,6 +121,7 @@ class Exchange:
         self.priority = 0
         self.queued_s = 0.0
         self._itl: Series | None = None
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer's head (X-Cache)
 
     async def start(
         self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
@@ -138,6 +141,8 @@ class Exchange:
         ]
         if extra:
             headers.extend(extra)
+        if self.extra_headers:
+            headers.extend(self.extra_headers)
         return headers
 
     async def chunk(self, data: bytes) -> None:
@@ -265,7 +270,10 @@ class Relay:
             body = await read_body(
                 receive, _content_length(headers), context.settings.max_body_bytes
             )
-            request = parse_request(self.endpoint, body, context.media, context.limits)
+            results = context.results
+            request = parse_request(
+                self.endpoint, body, context.media, context.limits, results is not None
+            )
             asked = request.priority
             if asked is None:
                 asked = header_priority(headers.get(context.priority_header))
@@ -279,12 +287,13 @@ class Relay:
                 request.model,
             )
             upstream_headers = _upstream_headers(context, headers, exchange.request_id)
-            await _until_done_or_disconnect(
-                self._proxy(context, request, admission, upstream_headers, exchange),
-                receive,
-                exchange,
-                link,
-            )
+            run = functools.partial(self._proxy, context, request, admission, upstream_headers)
+            if results is not None and request.cache_tag is not None:
+                # Before `acquire`: a hit or a join takes no room (docs/cache.md).
+                work = results.serve(request, exchange, run)
+            else:
+                work = run(exchange)
+            await _until_done_or_disconnect(work, receive, exchange, link)
         except ClientDisconnected:
             outcome = "client_disconnected"
         except asyncio.CancelledError:

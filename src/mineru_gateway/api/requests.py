@@ -16,6 +16,7 @@ import orjson
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.payload import loads
+from mineru_gateway.cache.keys import CacheTag, cache_tag
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import Chat, estimate_chat, estimate_completion
@@ -35,6 +36,7 @@ class ParsedRequest:
     stream: bool
     cost: CostInputs
     priority: int | None = None  # vLLM's `priority` field: lower first
+    cache_tag: CacheTag | None = None  # set when asked for and the request is greedy
 
 
 class ClientDisconnected(Exception):
@@ -70,7 +72,10 @@ def parse_request(
     body: bytes,
     media: MediaPolicy = DATA_ONLY,
     limits: RequestLimits = DEFAULT_LIMITS,
+    keyed: bool = False,
 ) -> ParsedRequest:
+    """`keyed`: tag a greedy request for coalescing and the cache (cache/keys.py) from this
+    one parse of its body."""
     try:
         payload = loads(body)  # orjson's result, page images kept out of the parse
     except orjson.JSONDecodeError as exc:
@@ -108,7 +113,8 @@ def parse_request(
         raise InvalidRequest(
             "`priority` must be an integer (lower is served first)", param="priority"
         )
-    return ParsedRequest(endpoint, body, model, bool(stream), cost, priority)
+    tag = cache_tag(endpoint, payload) if keyed else None
+    return ParsedRequest(endpoint, body, model, bool(stream), cost, priority, tag)
 
 
 def header_priority(value: bytes | None) -> int | None:

@@ -1,0 +1,67 @@
+"""Which requests may share an answer, and the key they share it under (docs/cache.md).
+
+MinerU's client samples greedily (`temperature` 0, `top_k` 1), so one page image and prompt give
+one valid answer: such a request may be answered by another's generation. Sampled requests, more
+than one choice and log-probabilities are never shared. The key hashes a canonical form of what
+determines the answer: the endpoint and every body field but those that only shape delivery or
+scheduling. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+
+from mineru_gateway.values import value
+
+# Fields that do not change the answer: scheduling, attribution and delivery.
+NOT_IN_KEY = frozenset({"priority", "user", "stream", "stream_options", "request_id"})
+
+
+@value
+class CacheTag:
+    """A cacheable request: the digest of what determines its answer, before any tenant scope,
+    and whether a stream of it asked for a usage event."""
+
+    digest: bytes
+    include_usage: bool = False
+
+
+def cache_tag(endpoint: str, payload: dict[str, Any]) -> CacheTag | None:
+    """The request's tag when its answer is the same every time it is asked, else None."""
+    if not _greedy(payload) or not _single_plain_choice(payload):
+        return None
+    canonical = orjson.dumps(
+        {name: item for name, item in payload.items() if name not in NOT_IN_KEY},
+        option=orjson.OPT_SORT_KEYS,
+    )
+    digest = hashlib.sha256(endpoint.encode() + b"\0" + canonical).digest()
+    options = payload.get("stream_options")
+    usage = isinstance(options, dict) and options.get("include_usage") is True
+    return CacheTag(digest, usage)
+
+
+def scoped_key(tag: CacheTag, scope: str) -> bytes:
+    """The key an answer is stored and coalesced under: the tag within a scope (a tenant's
+    name, or "" when tenants share answers), hashed so neither appears in clear."""
+    return hashlib.sha256(scope.encode() + b"\0" + tag.digest).digest()
+
+
+def _greedy(payload: dict[str, Any]) -> bool:
+    return _number_is(payload.get("temperature"), 0) or _number_is(payload.get("top_k"), 1)
+
+
+def _single_plain_choice(payload: dict[str, Any]) -> bool:
+    n = payload.get("n")
+    if n is not None and not _number_is(n, 1):
+        return False
+    logprobs = payload.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        return False
+    return payload.get("top_logprobs") is None and payload.get("prompt_logprobs") is None
+
+
+def _number_is(item: Any, wanted: int) -> bool:
+    return isinstance(item, int | float) and not isinstance(item, bool) and item == wanted

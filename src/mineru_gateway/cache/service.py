@@ -1,0 +1,195 @@
+"""The relay's hook: answer a cacheable request from the cache, from an identical request's
+generation in flight, or from a new generation that later ones may share (docs/cache.md).
+
+Order: join a generation in flight (nothing to look up); else look the answer up; else start a
+generation. Joining and hits come before the dispatcher's `acquire`, so they take no queue slot
+and no room on a worker. Streamed requests are served from the cache (the answer replayed as
+SSE events) but neither lead nor join a generation: their events go to their one client as the
+worker writes them (docs/cache.md, "Streams").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from mineru_gateway.api.relay import Exchange
+from mineru_gateway.api.requests import ParsedRequest
+from mineru_gateway.cache.answers import Answer, complete, replay_stream, usage_of
+from mineru_gateway.cache.flights import Flights
+from mineru_gateway.cache.keys import scoped_key
+from mineru_gateway.cache.metrics import CacheCollector, CacheMetrics
+from mineru_gateway.cache.stores import MemoryStore, RedisStore, Store
+from mineru_gateway.config import GatewaySettings
+
+Run = Callable[[Exchange], Awaitable[None]]
+SSE_TYPE = "text/event-stream"
+HIT = [(b"x-cache", b"hit")]
+MISS = [(b"x-cache", b"miss")]
+COALESCED = [(b"x-cache", b"coalesced")]
+
+
+class Generation:
+    """What a shared generation left: the answer, and the exchange that fetched it."""
+
+    __slots__ = ("answer", "exchange")
+
+    def __init__(self, answer: Answer, exchange: Exchange) -> None:
+        self.answer = answer
+        self.exchange = exchange
+
+
+class ResultCache:
+    """Coalescing and the result cache of one gateway process."""
+
+    def __init__(
+        self,
+        store: Store | None,
+        metrics: CacheMetrics,
+        *,
+        coalesce: bool = True,
+        shared: bool = False,
+        max_entry_bytes: int = 1 << 20,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.coalesce = coalesce
+        self._shared = shared
+        self._max_entry_bytes = max_entry_bytes
+        self.flights: Flights[Generation] = Flights(register=coalesce)
+        self._writes: set[asyncio.Task[None]] = set()
+
+    def collector(self) -> CacheCollector:
+        held = self.store.held if isinstance(self.store, MemoryStore) else None
+        return CacheCollector(self.metrics, held)
+
+    async def serve(self, request: ParsedRequest, exchange: Exchange, run: Run) -> None:
+        """Answers `request` on `exchange`; `run(exchange)` is the relay's way to a worker."""
+        tag = request.cache_tag
+        assert tag is not None
+        tenant = exchange.tenant
+        key = scoped_key(tag, "" if self._shared else tenant)
+        flight = self.flights.find(key) if not request.stream else None
+        if flight is None and self.store is not None:
+            answer = await self.store.get(key)
+            if answer is not None:
+                self.metrics.hits.inc(tenant)
+                self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
+                await _give(exchange, request, answer, HIT, tag.include_usage)
+                return
+            if not request.stream:
+                flight = self.flights.find(key)  # one may have started while we looked
+        if request.stream:
+            self.metrics.misses.inc(tenant)
+            exchange.extra_headers = MISS
+            await run(exchange)
+            return
+        joined = flight is not None
+        if flight is None:
+            self.metrics.misses.inc(tenant)
+            flight = self.flights.start(key, self._generate(key, tenant, exchange, run))
+        else:
+            self.metrics.coalesced.inc(tenant)
+        generation = await flight.wait()
+        answer = generation.answer
+        if joined:
+            self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
+        else:
+            _adopt(exchange, generation.exchange)
+        await _give(exchange, request, answer, COALESCED if joined else MISS, False)
+
+    async def _generate(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
+        capture = Capture()
+        exchange = Exchange(capture.send, leader.request_id, leader.endpoint)
+        exchange.tenant, exchange.priority = tenant, leader.priority
+        await run(exchange)
+        sent = exchange.upstream_sent
+        worker_s = time.perf_counter() - sent if sent is not None else 0.0
+        answer = Answer(capture.status, capture.content_type, capture.body, worker_s)
+        if self.store is not None and answer.size <= self._max_entry_bytes and complete(answer):
+            self._write_later(key, tenant, answer)
+        return Generation(answer, exchange)
+
+    def _write_later(self, key: bytes, tenant: str, answer: Answer) -> None:
+        """Stores the answer without its clients waiting for the store."""
+        assert self.store is not None
+        self.metrics.stored_bytes.inc(tenant, amount=len(answer.body))
+        task = asyncio.ensure_future(self.store.put(key, tenant, answer))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def close(self) -> None:
+        if self._writes:
+            await asyncio.wait(self._writes, timeout=1.0)
+        if self.store is not None:
+            await self.store.close()
+
+
+class Capture:
+    """An ASGI `send` that keeps the answer a generation's exchange writes."""
+
+    __slots__ = ("_parts", "content_type", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.content_type = "application/json"
+        self._parts: list[bytes] = []
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            for name, content in message["headers"]:
+                if name == b"content-type":
+                    self.content_type = content.decode("latin-1")
+        else:
+            self._parts.append(message.get("body", b""))
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self._parts)
+
+
+async def _give(
+    exchange: Exchange,
+    request: ParsedRequest,
+    answer: Answer,
+    label: list[tuple[bytes, bytes]],
+    include_usage: bool,
+) -> None:
+    if answer.status == 200:
+        exchange.usage = usage_of(answer)
+    if request.stream:
+        body = replay_stream(request.endpoint, answer, include_usage)
+        await exchange.respond(200, SSE_TYPE, body, label)
+        return
+    await exchange.respond(answer.status, answer.content_type, answer.body, label)
+
+
+def _adopt(exchange: Exchange, generation: Exchange) -> None:
+    """The leader's record names the worker and the queueing of the generation it led."""
+    exchange.worker, exchange.attempts = generation.worker, generation.attempts
+    exchange.queued_s, exchange.upstream_sent = generation.queued_s, generation.upstream_sent
+
+
+def build_result_cache(settings: GatewaySettings) -> ResultCache | None:
+    """The settings' cache and coalescing; None when both are off."""
+    if settings.cache == "off" and not settings.coalesce:
+        return None
+    metrics = CacheMetrics()
+    store: Store | None = None
+    if settings.cache == "memory":
+        tenant_max = int(settings.cache_max_bytes * settings.cache_tenant_share)
+        store = MemoryStore(settings.cache_max_bytes, tenant_max, settings.cache_ttl_s, metrics)
+    elif settings.cache != "off":
+        store = RedisStore(
+            settings.cache, settings.cache_ttl_s, settings.cache_redis_timeout_s, metrics
+        )
+    return ResultCache(
+        store,
+        metrics,
+        coalesce=settings.coalesce,
+        shared=settings.cache_scope == "shared",
+        max_entry_bytes=settings.cache_max_entry_bytes,
+    )
