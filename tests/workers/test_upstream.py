@@ -222,7 +222,7 @@ async def test_a_connection_closed_before_any_answer_is_an_upstream_error() -> N
     async with worker([Drop()]) as url, upstream() as client:
         with pytest.raises(UpstreamError, match="worker request failed") as info:
             await post(client, url)
-    assert type(info.value) is UpstreamError  # something was sent: not safe to retry
+    assert type(info.value) is UpstreamError  # something was sent: not a connect error
 
 
 async def test_a_stream_dropped_midway_is_an_upstream_error() -> None:
