@@ -22,6 +22,8 @@
         ├── UpstreamConnectError      502  upstream_error / upstream_connect_error
         │   │                              (nothing was sent: retry safe)
         │   └── UpstreamConnectTimeout    502  upstream_error / upstream_connect_timeout
+        ├── UpstreamBadStatus         502  upstream_error / bad_upstream_status (a status no
+        │                                  client may be given: 101, or outside 200-599)
         ├── UpstreamTimeout           504  upstream_error / upstream_timeout
         └── NoHealthyWorker           503  service_unavailable / no_healthy_worker
             └── ShuttingDown          503  service_unavailable / shutting_down (draining)
@@ -196,6 +198,13 @@ class UpstreamStatusError(UpstreamError):
     it is up and speaking HTTP, unlike a connection error or a timeout."""
 
     code = "upstream_status"
+
+
+class UpstreamBadStatus(UpstreamError):
+    """A worker's answer with a status that is no answer to relay: a switch of protocols (101)
+    or one outside 200-599. Not passed back as it came, unlike a worker's 4xx or 5xx."""
+
+    code = "bad_upstream_status"
 
 
 class UpstreamTimeout(UpstreamError):

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from mineru_gateway.workers.http1 import Disconnected, Http1Pool, Malformed
+from mineru_gateway.workers.http1 import (
+    MAX_HEAD_BYTES,
+    BadStatus,
+    Disconnected,
+    Http1Pool,
+    Malformed,
+)
 from tests.support.raw_http import chunk, raw_server, read_request
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -238,6 +244,85 @@ async def test_bytes_that_are_not_http_fail_the_answer_and_drop_the_connection(
         assert await closed_soon(seen.closed[0])
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        (CONTINUE, OK),
+        (HINTS + OK,),
+        (CONTINUE, HINTS, CONTINUE + HINTS, OK),
+        (b"HTTP/1.1 102 Processing\r\nContent-Length: 9\r\n\r\n", OK),
+    ],
+    ids=["100 then the answer", "103 with the answer", "several", "102 with a length"],
+)
+async def test_interim_answers_are_skipped_for_the_final_one(pieces: tuple[bytes, ...]) -> None:
+    """RFC 9110 15.2: any number of 1xx heads (which have no body, whatever they say) may come
+    before the answer; the answer is the final one, and its connection is reused."""
+    async with worker(writes(*pieces)) as (url, seen), pool() as connections:
+        for _ in range(2):
+            answer = await connections.request("POST", url, {}, b"{}", 2.0)
+            assert (answer.status, answer.content_type) == (200, "application/json")
+            assert await answer.read() == b"{}"
+    assert [len(requests) for requests in seen.requests] == [2]
+
+
+async def test_an_interim_answer_then_a_stream() -> None:
+    stream = writes(HINTS, STREAM, chunk(b"data: 0\n\n"), b"0\r\n\r\n")
+    async with worker(stream) as (url, _), pool() as connections:
+        answer = await connections.request("POST", url, {}, b"{}", 2.0)
+        assert answer.content_type == "text/event-stream"
+        assert await answer.read() == b"data: 0\n\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade", 101),
+        (b"HTTP/1.1 101 Switching Protocols", 101),
+        (b"HTTP/1.1 600 Beyond\r\nContent-Length: 2", 600),
+        (b"HTTP/1.1 999 Beyond\r\nContent-Length: 2", 999),
+        (b"HTTP/1.1 000 Nothing\r\nContent-Length: 2", 0),
+    ],
+    ids=["101 with upgrade", "101", "600", "999", "000"],
+)
+async def test_a_status_no_client_may_be_given_fails_the_answer(head: bytes, status: int) -> None:
+    """A switch of protocols, or a status outside 200-599, is not an answer to relay; what the
+    worker sends after it is not read, and the connection is dropped."""
+    async with worker(writes(head + b"\r\n\r\n{}")) as (url, seen), pool() as connections:
+        with pytest.raises(BadStatus) as info:
+            await connections.request("POST", url, {}, b"{}", 2.0)
+        assert info.value.status == status
+        assert isinstance(info.value, Malformed)
+        assert await closed_soon(seen.closed[0])
+        assert connections.connections == 0
+
+
+async def test_a_head_that_never_ends_is_cut_while_it_arrives() -> None:
+    """One header value of tens of MiB without a line end: llhttp reports a header only at the
+    end of its value, so the head is bounded by the bytes read while it is incomplete, and the
+    connection dropped long before the worker has written it all."""
+    value_bytes = 32 * 1024 * 1024
+    written = 0
+
+    async def endless(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        nonlocal written
+        writer.write(b"HTTP/1.1 200 OK\r\nx-filler: ")
+        piece = b"a" * 65536
+        while written < value_bytes:
+            writer.write(piece)
+            await writer.drain()
+            written += len(piece)
+
+    async with worker(endless) as (url, seen), pool() as connections:
+        with pytest.raises(Malformed, match=f"head longer than {MAX_HEAD_BYTES} bytes"):
+            await connections.request("POST", url, {}, b"{}", 10.0)
+        assert await closed_soon(seen.closed[0])
+    assert written < value_bytes
+
+
 async def test_bytes_after_an_answer_drop_its_connection() -> None:
     """A second answer to one request: whatever the next request on that connection read would
     not be its own."""
@@ -336,3 +421,14 @@ async def test_a_stream_arrives_whole_however_its_reads_are_cut() -> None:
             got = await asyncio.wait_for(answer.read(), 5.0)
             assert got == b"".join(EVENTS), cuts
     assert [len(requests) for requests in seen.requests] == [len(plans)]
+
+
+async def test_the_parsed_url_cache_is_bounded_and_drops_only_its_oldest() -> None:
+    """Past MAX_KEYS the oldest parsed URL goes, not all of them: the workers' URLs in use stay
+    parsed however many others came and went."""
+    async with pool() as connections:
+        connections.MAX_KEYS = 3
+        urls = [f"http://127.0.0.1:{port}/v1/completions" for port in range(1000, 1005)]
+        keys = [connections._key(url) for url in urls]
+        assert all(connections._key(url) is keys[i] for i, url in enumerate(urls) if i >= 2)
+        assert connections._key(urls[0]) is not keys[0]  # the oldest, parsed again

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from mineru_gateway.errors import (
+    UpstreamBadStatus,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
@@ -221,7 +222,7 @@ async def test_a_connection_closed_before_any_answer_is_an_upstream_error() -> N
     async with worker([Drop()]) as url, upstream() as client:
         with pytest.raises(UpstreamError, match="worker request failed") as info:
             await post(client, url)
-    assert type(info.value) is UpstreamError  # something was sent: not safe to retry
+    assert type(info.value) is UpstreamError  # something was sent: not a connect error
 
 
 async def test_a_stream_dropped_midway_is_an_upstream_error() -> None:
@@ -294,3 +295,22 @@ async def test_an_answer_keeps_its_status_and_content_type() -> None:
         assert not response.is_event_stream
         assert await response.read() == b'{"error": {}}'
         response.close()
+
+
+async def test_an_interim_answer_is_skipped_and_the_final_one_kept() -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    script = [Raw(interim), Pause(0.05), *answer(200, b'{"ok": 1}')]
+    async with worker(script) as url, upstream() as client:
+        response = await post(client, url)
+        assert (response.status, await response.read()) == (200, b'{"ok": 1}')
+        response.close()
+
+
+@pytest.mark.parametrize("status", [101, 600, 999, 0])
+async def test_a_status_no_client_may_be_given_is_a_bad_upstream_status(status: int) -> None:
+    """Not the worker's own answer to pass back: a 502 of the gateway's, in OpenAI's shape."""
+    head = b"HTTP/1.1 %03d Odd\r\nContent-Length: 2\r\n\r\n{}" % status
+    async with worker([Raw(head)]) as url, upstream() as client:
+        with pytest.raises(UpstreamBadStatus, match=f"answered status {status}$") as info:
+            await post(client, url)
+    assert (info.value.status, info.value.reason) == (502, "bad_upstream_status")

@@ -6,11 +6,16 @@ code, and a raw ASGI relay costs less per event than a framework route with Stre
 about most: a client that goes away cancels the upstream request at once (streaming or not,
 before or after the first token), and every counter is released in `finally`.
 
-Retries: a request is sent to another worker only while nothing of it has reached the client (no
-status line yet): when the worker cannot be connected to, or drops the connection before its first
-byte of answer. Inference has no side effects, so that is always safe; after the first byte, a
-failure ends the stream with an SSE error event instead. Response headers of a stream are held
-until its first chunk, so a worker dying while the request waits in its queue is still retried.
+Retries: another worker is tried only while nothing of the answer has reached the client (no
+status line sent yet). Inference has no side effects, so until then any failure of the worker is
+retried: a refused connection, a connection dropped before or after the answer's head, bytes that
+are not HTTP, a status no client may be given (`UpstreamBadStatus`), a non-streamed answer cut
+short. Once something has reached the client, a failure ends the answer instead (a stream with an
+SSE error event on an event boundary). A worker's own answer, a 4xx or a 5xx, is passed back as
+it came and never retried; a timeout is not retried either (another worker would not be faster).
+vLLM sends a stream's head at once, before the request leaves its queue: the client's head is
+held until the stream's first whole event, so a worker dying with the request in its queue is
+still retried.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from mineru_gateway.api.requests import (
 )
 from mineru_gateway.errors import (
     GatewayError,
+    NoHealthyWorker,
     ShuttingDown,
+    UpstreamBadStatus,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
@@ -62,6 +69,9 @@ PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v
 # One streamed token, as vLLM writes it: a chat delta with content, or a completion's text.
 TOKEN_MARKERS: dict[Endpoint, bytes] = {"chat": b'{"content":', "completions": b'"text":'}
 USAGE_MARKER = b'"usage":{'
+# The start of an event held back for its end is sent as it is past this (no event of vLLM's is
+# near it): what a worker that never ends an event can make the relay hold.
+MAX_HELD_EVENT = 1024 * 1024
 
 
 class Exchange:
@@ -204,6 +214,10 @@ class Exchange:
             await self.respond(error.status, "application/json", body, error.headers())
         elif self.streaming:
             event = b"data: " + error.body_bytes() + b"\n\ndata: [DONE]\n\n"
+            if self._last and not self._last.endswith(b"\n\n"):
+                # What went out ends inside an event: end it first, or the error would be read
+                # as the rest of that event's data.
+                event = b"\n\n" + event
             await self.finish(event)
         else:
             await self.finish()
@@ -337,8 +351,11 @@ class Relay:
                 except _Retry as failure:
                     if len(tried) > context.settings.max_retries:
                         raise failure.error from None
+                    try:
+                        grant = context.dispatcher.retry(grant, admission, exclude=tried)
+                    except NoHealthyWorker:
+                        raise failure.error from None  # no other worker: what this one did
                     context.metrics.retries.inc(failure.reason)
-                    grant = context.dispatcher.retry(grant, admission, exclude=tried)
         finally:
             grant.release()
 
@@ -376,10 +393,13 @@ class Relay:
             raise _Retry("connect_error", error) from None
         except UpstreamError as broken:
             if exchange.status is None:
-                # A dropped connection before any answer: a dead worker, or a keep-alive
-                # connection it had closed. Nothing reached the client; try another worker.
-                outcome = Outcome.failed("upstream_disconnect", str(broken))
-                raise _Retry("upstream_disconnect", broken) from None
+                # Nothing reached the client: a dead worker, a keep-alive connection it had
+                # closed, an answer broken before it was relayed. Try another worker.
+                reason = "upstream_disconnect"
+                if isinstance(broken, UpstreamBadStatus):
+                    reason = UpstreamBadStatus.code
+                outcome = Outcome.failed(reason, str(broken))
+                raise _Retry(reason, broken) from None
             outcome = Outcome.failed("stream_broken", str(broken))
             raise
         finally:
@@ -395,7 +415,14 @@ async def _relay_response(
     lease: Lease,
 ) -> None:
     if upstream.status == 200 and upstream.is_event_stream:
+        # Only whole events go out: an event cut by a failing worker is never half-sent, and a
+        # worker that fails before its first whole event is retried (the module docstring).
+        held = b""
         async for chunk in upstream.iter_chunks():
+            if held or not chunk.endswith(b"\n\n"):
+                chunk, held = _whole_events(held + chunk)
+                if not chunk:
+                    continue
             if exchange.status is None:
                 lease.prefilled()
                 await exchange.start(200, upstream.content_type)
@@ -405,7 +432,7 @@ async def _relay_response(
             await exchange.chunk(chunk)
         if exchange.status is None:
             await exchange.start(200, upstream.content_type)
-        await exchange.finish()
+        await exchange.finish(held)  # a stream that ended cleanly ends as the worker wrote it
     else:
         # Non-streaming answers and worker errors (a vLLM 400 for a too-long prompt, say) are
         # passed back with the worker's own status and body.
@@ -461,6 +488,17 @@ async def _until_done_or_disconnect(
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` cut after its last whole SSE event (a blank line ends one, in LF or CRLF lines):
+    what may go out, and the start of an event to hold for its end (sent as it is past
+    MAX_HELD_EVENT)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+    if not end and len(data) > MAX_HELD_EVENT:
+        end = len(data)
+    return data[:end], data[end:]
 
 
 def _body_usage(body: bytes) -> dict[str, Any] | None:

@@ -8,14 +8,17 @@ while a worker needs only a request line, three headers and the body. This modul
 relay needs and no more:
 
 - one request per connection at a time, the body written at once (the relay holds it anyway);
+- interim answers (1xx, RFC 9110 15.2) skipped: the answer is the final one after them;
+- an answer's head bounded in bytes while it arrives, and its status one a client may be given
+  (200-599; a switch of protocols, 101, is not one);
 - an answer's headers, then its body as it arrives (`Answer.read_some`), with reading from the
   worker paused while a slow reader holds more than HIGH_WATER bytes;
 - a connection goes back to the pool the moment its answer has ended, and is closed instead if
   the answer did not end: that is how a worker learns nobody waits for its generation (vLLM
   aborts it and frees its KV cache).
 
-Errors are this module's own (`ConnectFailed`, `Disconnected`, `Malformed`); `workers.upstream`
-maps them to gateway errors, the one place that does.
+Errors are this module's own (`ConnectFailed`, `Disconnected`, `Malformed`, `BadStatus`);
+`workers.upstream` maps them to gateway errors, the one place that does.
 """
 
 from __future__ import annotations
@@ -47,7 +50,16 @@ class Malformed(Exception):
     """The worker's bytes are not HTTP/1.1."""
 
 
-MAX_HEAD_BYTES = 64 * 1024  # an answer's header names and values, all together
+class BadStatus(Malformed):
+    """The worker's final answer has a status no client may be given: a switch of protocols
+    (101), or one outside 200-599."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"the worker answered with status {status}")
+        self.status = status
+
+
+MAX_HEAD_BYTES = 64 * 1024  # an answer's head: its header names and values, all together
 HIGH_WATER = 256 * 1024  # body bytes held for a reader before reading from the worker pauses
 ONE_WRITE = 64 * 1024  # a request body below this goes out in one write with its head
 
@@ -181,7 +193,9 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[Answer] | None = None
         self._content_type = b""
         self._sized = False  # the answer has a Content-Length or chunked framing
-        self._head_bytes = 0
+        self._head_bytes = 0  # the header names and values of the head under way
+        self._head_read = 0  # the bytes read while the head under way is incomplete
+        self._interim = False  # the message being parsed is a 1xx, not the answer
         self.idle_since = 0.0
 
     # -- the pool's side ----------------------------------------------------------------------
@@ -190,6 +204,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None and self._head is None and self._answer is None
         self._head = self._loop.create_future()
         self._content_type, self._sized, self._head_bytes = b"", False, 0
+        self._head_read, self._interim = 0, False
         self._answer = Answer(self)
         if len(body) < ONE_WRITE:
             self.transport.write(head + body)
@@ -224,10 +239,25 @@ class _Connection(asyncio.Protocol):
         if answer is None:  # bytes nobody asked for: the connection is not to be trusted
             self.abort()
             return
+        heading = self._head is not None
+        if heading:
+            self._head_read += len(data)
         try:
             self._feed(data)
-        except httptools.HttpParserError as error:
-            self._failed(Malformed(f"malformed answer: {error}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as error:
+            # A callback's own error (BadStatus, an over-long head) comes as the context of
+            # httptools' HttpParserCallbackError.
+            cause = error.__context__
+            if not isinstance(cause, Malformed):
+                cause = Malformed(f"malformed answer: {error}")
+            self._failed(cause)
+            self.abort()
+            return
+        if heading and self._head is not None and self._head_read > MAX_HEAD_BYTES:
+            # A head still incomplete: llhttp reports a header only at the end of its value,
+            # and httptools joins the value's pieces anew at every read (quadratic), so a value
+            # that never ends is bounded here, as its bytes arrive, not in on_header.
+            self._failed(Malformed(f"an answer's head longer than {MAX_HEAD_BYTES} bytes"))
             self.abort()
 
     def eof_received(self) -> bool:
@@ -248,7 +278,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:  # llhttp has no limit of its own
-            raise Malformed(f"answer headers longer than {MAX_HEAD_BYTES} bytes")
+            raise Malformed(f"an answer's head longer than {MAX_HEAD_BYTES} bytes")
         lowered = name.lower()
         if lowered == b"content-type":
             self._content_type = value
@@ -259,7 +289,17 @@ class _Connection(asyncio.Protocol):
         head, answer = self._head, self._answer
         if head is None or answer is None:  # a second answer to one request
             raise Malformed("an answer nobody asked for")
-        answer.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints: RFC 9110 15.2); the final one
+            # follows on the same connection. Its head is counted on its own.
+            self._interim = True
+            self._content_type, self._sized, self._head_bytes = b"", False, 0
+            self._head_read = 0
+            return
+        if not 200 <= status < 600:  # 101 would hand the connection to another protocol
+            raise BadStatus(status)
+        answer.status = status
         answer.content_type = self._content_type.decode("latin-1") or "application/json"
         self._head = None
         if not head.done():
@@ -271,6 +311,9 @@ class _Connection(asyncio.Protocol):
             answer._body(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the end of a 1xx (it has no body): the answer is still to come
+            self._interim = False
+            return
         answer, self._answer = self._answer, None
         if answer is None:
             return
@@ -373,8 +416,8 @@ class Http1Pool:
     def _key(self, url: str) -> _Key:
         key = self._keys.get(url)
         if key is None:
-            if len(self._keys) >= self.MAX_KEYS:
-                self._keys.clear()
+            if len(self._keys) >= self.MAX_KEYS:  # the oldest goes: the rest stay parsed
+                del self._keys[next(iter(self._keys))]
             key = self._keys[url] = _Key(url)
         return key
 

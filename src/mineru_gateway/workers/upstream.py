@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from mineru_gateway.errors import (
+    UpstreamBadStatus,
     UpstreamConnectError,
     UpstreamConnectTimeout,
     UpstreamError,
@@ -25,6 +26,7 @@ from mineru_gateway.errors import (
 )
 from mineru_gateway.workers.http1 import (
     Answer,
+    BadStatus,
     ConnectFailed,
     Deadline,
     Disconnected,
@@ -231,7 +233,8 @@ class UpstreamClient:
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """Sends a request and waits for the response headers.
 
-        UpstreamConnectError means nothing reached the worker, so another may be tried.
+        UpstreamConnectError means nothing reached the worker, so another may be tried;
+        UpstreamBadStatus, that the worker's answer has a status no client may be given.
         """
         try:
             answer = await self.pool.request("POST", url, headers, body, self.timeouts.first_byte_s)
@@ -242,6 +245,8 @@ class UpstreamClient:
         except TimeoutError:
             limit = self.timeouts.first_byte_s
             raise UpstreamTimeout(f"no response from worker within {limit} s") from None
+        except BadStatus as bad:
+            raise UpstreamBadStatus(f"worker {url} answered status {bad.status}") from None
         except BROKEN_BODY as exc:
             raise UpstreamError(f"worker request failed: {exc}") from exc
         return UpstreamResponse(answer, self.timeouts)
