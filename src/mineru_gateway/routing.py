@@ -1,8 +1,8 @@
 """Routing policies: immutable worker views in, a choice out.
 
-Pure on purpose (docs/architecture.md): no I/O, no web objects, no clocks. The registry builds a `WorkerView`
-per worker from what it knows and a policy picks one. Randomness comes from the caller's
-`random.Random`, so tests can seed it.
+Pure on purpose (docs/architecture.md): no I/O, no web objects, no clocks. The registry builds
+a `WorkerView` per worker from what it knows and a policy picks one. Randomness comes from the
+caller's `random.Random`, so tests can seed it.
 
 The load signal combines two sources:
 - the gateway's own in-flight requests and their estimated cost: exact and instant, so consecutive
