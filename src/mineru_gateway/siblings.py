@@ -46,8 +46,8 @@ from mineru_gateway.workers.group_load import (
     GroupTenants,
     QueueHeads,
 )
-from mineru_gateway.workers.registry import Scrape
 from mineru_gateway.workers.vllm_metrics import VllmLoad
+from mineru_gateway.workers.worker import Scrape
 
 log = structlog.get_logger("mineru_gateway.siblings")
 
