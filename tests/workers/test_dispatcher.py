@@ -216,6 +216,27 @@ async def test_queued_requests_for_a_model_no_worker_serves_any_more_get_404() -
     assert dispatcher.queue.is_idle()
 
 
+async def test_queued_requests_for_a_model_whose_workers_are_ejected_get_503() -> None:
+    """The model is still known (its worker is a member, out of routing for now): the
+    requests may come back later, unlike those for a model no member serves."""
+    dispatcher = fleet("http://w0", "http://w1", batch=1)
+    w0, w1 = dispatcher.registry.workers
+    w1.models = {"other": {"id": "other"}}
+    holder = await dispatcher.acquire(ask())
+    waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
+    await settle()
+    dispatcher.registry.checks.set_health(w0, False, "gone")  # w1 alone is healthy
+    holder.release()
+    await settle()
+    error = waiting.exception()
+    assert isinstance(error, NoHealthyWorker) and error.retry_after_s is not None
+    assert dispatcher.queue.is_idle()
+    with pytest.raises(NoHealthyWorker):
+        await dispatcher.acquire(ask())
+    with pytest.raises(ModelNotFound):
+        await dispatcher.acquire(ask(model="never-served"))
+
+
 class LockProbe:
     """A routing policy that notes, at each choice, whether the processes' table is locked
     (another open file of it cannot take the lock), then picks the least loaded."""

@@ -88,8 +88,16 @@ class RoutingViews:
         return chosen
 
     def why_no_candidate(self, views: list[WorkerView], model: str | None) -> GatewayError:
+        """404 for a model no member has ever been seen serving; 503 with `Retry-After` when
+        members serve it but none can take it now (ejected, unhealthy, draining), or when no
+        worker is healthy at all (nothing to tell a model from)."""
         healthy = [view for view in views if view.healthy]
         if healthy and not any(view.serves(model) for view in healthy):
+            if any(view.serves(model) for view in views):
+                return NoHealthyWorker(
+                    f"no healthy worker serves the model `{model}` now; retry later",
+                    retry_after_s=self._retry_after_s,
+                )
             served = sorted({m for view in healthy for m in view.models})
             return ModelNotFound(
                 f"The model `{model}` does not exist. Served models: {', '.join(served)}.",
