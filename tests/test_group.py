@@ -180,6 +180,11 @@ def test_worker_ports_follow_the_gateways_unless_a_base_port_is_given(
     args = build_parser().parse_args(["up", "--workers", "2", "--worker-base-port", "31000"])
     options = group_options_from_args(args, environ={}, gateway_port=30100)
     assert options.worker_urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    vllm = ["--engine", "vllm", "--model", "/m", "--vllm-python", sys.executable]
+    args = build_parser().parse_args(["up", "--workers", "2", *vllm])
+    options = group_options_from_args(args, environ={}, gateway_port=30100)
+    assert options.worker_urls() == ["http://127.0.0.1:30101", "http://127.0.0.1:30102"]
+    assert [spec.url for spec in options.specs({})] == options.worker_urls()
     monkeypatch.setenv("MINERU_GATEWAY_WORKER_BASE_PORT", "32000")
     args = build_parser().parse_args(["up", "--workers", "1"])
     assert group_options_from_args(args, environ={}, gateway_port=30100).base_port == 32000
@@ -507,6 +512,8 @@ def test_up_vllm_starts_each_worker_on_its_own_npu_and_serves_once_they_are_heal
     # The gateway listens at once and says it is not ready until a worker is healthy.
     assert httpx.get(up.url + "/ready").status_code == 503
     up.wait_all_healthy(2)
+    # Refused while vLLM started; healthy now, with nothing left of that.
+    assert [w["last_error"] for w in up.workers()] == [None, None]
     assert [m["id"] for m in httpx.get(up.url + "/v1/models").json()["data"]] == [
         "MinerU2.5-2509-1.2B"
     ]

@@ -31,7 +31,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -215,9 +215,6 @@ def group_options_from_args(
     Workers listen from `gateway_port` + 1 on unless a base port is given."""
     environ = os.environ if environ is None else environ
     launcher = LauncherSettings.from_args(args)
-    base_port = launcher.worker_base_port
-    if "worker_base_port" not in launcher.model_fields_set and gateway_port:
-        base_port = gateway_port + 1
     vllm = None
     if args.engine == "vllm":
         vllm = vllm_options(launcher, args.vllm_arg, host=WORKER_HOST)
@@ -226,6 +223,11 @@ def group_options_from_args(
                 f"vLLM's Python {vllm.vllm_python!r} was not found: set --vllm-python or "
                 "MINERU_GATEWAY_VLLM_PYTHON to the interpreter of vLLM's environment"
             )
+    base_port = launcher.worker_base_port
+    if "worker_base_port" not in launcher.model_fields_set and gateway_port:
+        base_port = gateway_port + 1
+    if vllm is not None:
+        vllm = replace(vllm, base_port=base_port)
     defaults = RestartPolicy()
     policy = RestartPolicy(
         start_timeout_s=args.start_timeout_s,
