@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,23 @@ def test_serve_refuses_to_start_open_on_an_address_others_reach(
     assert settings_from_args(
         build_parser().parse_args(["serve", "--host", "0.0.0.0"])
     ).allow_no_auth
+
+
+def test_serve_on_a_taken_port_is_one_line_and_exit_1() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "mineru_gateway", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"mineru-gateway serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
 
 
 def test_sim_serves_and_exits_0_on_sigterm() -> None:

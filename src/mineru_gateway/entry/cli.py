@@ -171,7 +171,14 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     if settings.processes > 1:
         return run_processes(settings)
-    run_gateway(settings)
+    try:  # bound here, so a taken port is one line, not uvicorn's log and exit
+        sock = bind_gateway(settings.host, settings.port)
+    except OSError as error:
+        where = f"{settings.host}:{settings.port}"
+        print(f"mineru-gateway serve: cannot listen on {where}: {error.strerror}", file=sys.stderr)
+        return 1
+    with sock:
+        run_gateway(settings, sockets=[sock])
     return 0
 
 
