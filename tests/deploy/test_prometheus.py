@@ -192,8 +192,8 @@ def test_config_rewritten_for_the_test_is_valid(tmp_path: Path) -> None:
 
 
 def test_rewriting_a_changed_config_fails_loudly() -> None:
-    changed = PROMETHEUS_YML.read_text().replace("gateway:30000", "gw:30000")
-    with pytest.raises(ValueError, match="gateway:30000"):
+    changed = PROMETHEUS_YML.read_text().replace("gateway:9464", "gw:9464")
+    with pytest.raises(ValueError, match="gateway:9464"):
         local_prometheus_config(
             changed, gateway="127.0.0.1:1", workers=[], npu_exporter=None, interval_s=1
         )

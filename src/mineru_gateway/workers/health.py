@@ -128,5 +128,7 @@ class Health:
         worker.healthy = healthy
         if error is not None:
             worker.last_error = error
+        elif changed:  # healthy again: the error from before (a start-up refusal) is past
+            worker.last_error = None
         if changed:
             self._membership.changed()
