@@ -162,3 +162,31 @@ def test_a_head_whose_tenant_has_no_column_is_ranked_by_its_posted_share(tmp_pat
     heads[1].post(10.0, 0, "second", 1.0, 3.0, None, queued_at=1.0)
     assert heads[0].ahead(0, 4.0, 9.0, since=9.0) == [(1, 0.0, 1.0)]
     assert heads[0].ahead(0, 2.0, 9.0, since=9.0) == []
+
+
+def test_a_column_no_process_holds_any_more_is_reused_once_the_table_is_full(
+    tmp_path: Path,
+) -> None:
+    first = GroupLoad(tmp_path / "t", 2, 0, columns=2, reclaim_after_s=0.0)
+    second = GroupLoad(tmp_path / "t", 2, 1, columns=2, reclaim_after_s=0.0)
+    gone, kept = first.column(URLS[0]), first.column(URLS[1])
+    second.column(URLS[0])
+    first.release(URLS[0])
+    with pytest.raises(GroupFull):  # the second process still holds the worker
+        first.column(URLS[2])
+    second.worker(URLS[0]).publish(2, 2.0)
+    second.release(URLS[0])  # its figures go with it
+    assert first.column(URLS[2]) == gone
+    assert first.worker(URLS[2]).others() == (0, 0.0)
+    assert first.column(URLS[1]) == kept  # probing goes on past a reused column
+    assert second.column(URLS[1]) == kept
+
+
+def test_a_falling_count_changes_the_release_number(tmp_path: Path) -> None:
+    first, second = GroupLoad(tmp_path / "t", 2, 0), GroupLoad(tmp_path / "t", 2, 1)
+    column = first.worker(URLS[0])
+    before = second.releases()
+    column.publish(2, 2.0)
+    assert second.releases() == before
+    column.publish(1, 1.0)
+    assert second.releases() != before

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
-from mineru_gateway.routing import WorkerView, candidates_for
+from mineru_gateway.routing import WorkerView
 from mineru_gateway.values import value
 from mineru_gateway.workers.coordination import ALONE, Coordination
+from mineru_gateway.workers.fleet_index import ANY_ROOM
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
 
 
@@ -111,10 +112,7 @@ class Dispatcher:
 
     def _now_or_ticket(self, admission: Admission) -> Grant | Ticket:
         """A grant at once, or the ticket the request queues with."""
-        views = self.registry.views()
-        candidates = candidates_for(views, admission.model)
-        if not candidates:
-            raise self.registry.why_no_candidate(views, admission.model)
+        offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
         if self._closed is not None:
             raise self._closed
         ticket = Ticket(
@@ -126,13 +124,16 @@ class Dispatcher:
             admission.model,
         )
         if not self.enabled:
-            worker = self.registry.choose_among(candidates)
+            worker = self.registry.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
-        if self.queue.is_idle() and self.queue.may_start(admission.tenant):
-            roomy = self.room.roomy(candidates)
-            if roomy and not self._gives_way(ticket, roomy):
-                worker = self.registry.choose_among(roomy)
-                return self._grant(ticket, worker, admission, 0.0, unqueued=True)
+        if (
+            offer.roomy
+            and self.queue.is_idle()
+            and self.queue.may_start(admission.tenant)
+            and not self._gives_way(ticket, offer.views)
+        ):
+            worker = self.registry.choose_among(offer.views)
+            return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         return ticket
 
     async def _wait(self, ticket: Ticket, admission: Admission) -> Grant:
@@ -162,7 +163,7 @@ class Dispatcher:
         once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
         untried worker is left."""
         with self.coordination.deciding():
-            worker = self.registry.choose(admission.model, exclude=exclude)
+            worker = self.registry.choose(admission.model, exclude, self.room)
             grant.release()
             return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
 
@@ -230,16 +231,18 @@ class Dispatcher:
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False
         when nothing more can be served now."""
-        views = self.registry.views()
-        if not any(view.healthy for view in views):
+        if not self.registry.any_routable(self.room):
             self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
             return False
-        self._fail_unservable(views)
-        roomy = self.room.roomy(views)
+        self._fail_unservable()
+        roomy, models = self.registry.roomy_models(self.room)
         if not roomy:
             return False
-        ticket = self.queue.next(_served_by(roomy))
-        if ticket is None or self._gives_way(ticket, roomy):
+        ticket = self.queue.next(lambda ticket: ticket.model is None or ticket.model in models)
+        if ticket is None:
+            return False
+        offer = self.registry.offer(ticket.model, self.room)
+        if not offer.roomy or self._gives_way(ticket, offer.views):
             return False
         waiter = _waiter(ticket)
         self._stop_timer(ticket)
@@ -249,22 +252,21 @@ class Dispatcher:
             self.queue.remove(ticket)
             return True
         self.queue.pop(ticket)
-        candidates = [view for view in roomy if view.serves(ticket.model)]
-        worker = self.registry.choose_among(candidates)
+        worker = self.registry.choose_among(offer.views)
         queued_s = self._clock() - ticket.enqueued_at
         waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
         return True
 
-    def _fail_unservable(self, views: list[WorkerView]) -> None:
+    def _fail_unservable(self) -> None:
         """Queued requests for a model no healthy worker serves any more cannot wait for room.
         Looked for only when the models the healthy workers serve have changed."""
-        served = frozenset(model for view in views if view.healthy for model in view.models)
+        served = self.registry.routable_models(self.room)
         if served == self._served:
             return
         self._served = served
         for ticket in list(self.queue.tickets()):
             if ticket.model is not None and ticket.model not in served:
-                self._fail(ticket, self.registry.why_no_candidate(views, ticket.model))
+                self._fail(ticket, self.registry.why_no_candidate(ticket.model))
 
     def _grant(
         self,
@@ -317,11 +319,6 @@ class Dispatcher:
         if waiter.timer is not None:
             waiter.timer.cancel()
             waiter.timer = None
-
-
-def _served_by(views: list[WorkerView]) -> Callable[[Ticket], bool]:
-    models = {model for view in views for model in view.models}
-    return lambda ticket: ticket.model is None or ticket.model in models
 
 
 def _waiter(ticket: Ticket) -> _Waiter:

@@ -15,6 +15,10 @@ writes only its own row; a column is claimed under an exclusive `flock` of the f
 worker, whichever process meets it first). A process that (re)starts zeroes its row: a process
 that died holds nothing.
 
+Columns are reused: each process marks the columns it holds, and a column no process has held
+for `RECLAIM_AFTER_S` (a worker removed, a pod replaced by one at a new address) is free for
+another worker once the table has no free column left (docs/operate/fleet-scale.md).
+
 Instant counts are not enough: requests that end in the same engine step on two workers bring
 their clients' next requests to two processes at the same moment, and both can read the table
 before either has written it (benchmarks/results/processes_full_batch.md). So a routing
@@ -32,6 +36,7 @@ import hashlib
 import math
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,10 +44,12 @@ import structlog
 
 log = structlog.get_logger("mineru_gateway.group_load")
 
-# Workers whose counts can be shared over the gateway's life: columns are not reused, and pods
-# on Kubernetes come back with new addresses (8 bytes of key per column, 16 per process).
+# Workers whose counts can be shared at once; columns of workers gone are reused (8 bytes of key
+# and 8 of release time per column, 8 + 16 per process).
 COLUMNS = 4096
 WIDTH = 2  # a worker's figures per process: (count, cost)
+RECLAIM_AFTER_S = 60.0  # a column no process has held for this long is free for another worker
+_TOMBSTONE = -1  # a reclaimed column's key: free to claim, but probing goes on past it
 
 
 class GroupFull(Exception):
@@ -71,8 +78,9 @@ def _write(values: memoryview[float], at: int, figures: tuple[float, ...]) -> No
 
 
 def table_size(processes: int, columns: int = COLUMNS, width: int = WIDTH) -> int:
-    """Bytes of a table for `processes` processes: the keys, then a row per process."""
-    return 8 * columns + 8 * width * columns * processes
+    """Bytes of a table for `processes` processes: the keys, when each column was last let go,
+    which process holds it, then a row of figures per process."""
+    return 8 + 16 * columns + 8 * columns * processes + 8 * width * columns * processes
 
 
 def key_of(name: str) -> int:
@@ -88,31 +96,88 @@ class GroupLoad:
     `TENANT_WIDTH`)."""
 
     def __init__(
-        self, path: Path, processes: int, index: int, columns: int = COLUMNS, width: int = WIDTH
+        self,
+        path: Path,
+        processes: int,
+        index: int,
+        columns: int = COLUMNS,
+        width: int = WIDTH,
+        reclaim_after_s: float = RECLAIM_AFTER_S,
     ) -> None:
         self._columns = columns
+        self._reclaim_after_s = reclaim_after_s
         self._width = width
         self._depth = 0  # `locked` blocks open
         self._fd, self._map = _mapped(path, table_size(processes, columns, width))
-        self._keys = memoryview(self._map)[: 8 * columns].cast("q")
-        self._values = memoryview(self._map)[8 * columns :].cast("d")
+        start, held = 8 + 16 * columns, 8 + 16 * columns + 8 * columns * processes
+        self._releases = memoryview(self._map)[:8].cast("q")
+        self._keys = memoryview(self._map)[8 : 8 + 8 * columns].cast("q")
+        self._gone = memoryview(self._map)[8 + 8 * columns : start].cast("d")
+        self._held = memoryview(self._map)[start:held].cast("q")
+        self._values = memoryview(self._map)[held:].cast("d")
         row = width * columns
         self._own = row * index  # where this process's row starts
         self._others = [row * i for i in range(processes) if i != index]
         self._values[self._own : self._own + row] = memoryview(bytes(8 * row)).cast("d")
+        self._holders = [columns * i for i in range(processes)]
+        self._own_held = columns * index
+        with self.locked():  # what this process held before it (re)started is let go now
+            now = time.monotonic()
+            for column in range(columns):
+                if self._held[self._own_held + column]:
+                    self._held[self._own_held + column] = 0
+                    self._gone[column] = now
 
     def column(self, name: str) -> int:
         """The column of a worker (by URL) or tenant (by name), claimed if no process has yet."""
         key = key_of(name)
         found = self._find(key)
         if found is not None and self._keys[found] == key:
+            self._held[self._own_held + found] = 1
             return found
         with self.locked():
             found = self._find(key)  # another process may have claimed it meanwhile
+            if found is None and self._reclaim():
+                found = self._find(key)
             if found is None:
-                raise GroupFull(f"more than {self._columns} columns taken")
+                log.warning("group_table_full", columns=self._columns, name=name)
+                raise GroupFull(
+                    f"all {self._columns} columns are held by workers in use, or let go less "
+                    f"than {self._reclaim_after_s:g} s ago"
+                )
             self._keys[found] = key
+            self._held[self._own_held + found] = 1
             return found
+
+    def release(self, name: str) -> None:
+        """This process no longer uses the column of `name` (a worker removed): its figures
+        there are zeroed, and once no process has held it for a while it may be reused."""
+        key = key_of(name)
+        found = self._find(key)
+        if found is None or self._keys[found] != key:
+            return
+        with self.locked():
+            self.publish_row(found, (0.0,) * self._width)
+            self._held[self._own_held + found] = 0
+            self._gone[found] = time.monotonic()
+
+    def _reclaim(self) -> bool:
+        """Frees the columns no process has held for `reclaim_after_s` (under the lock); whether
+        any was. Walks the table: only when no column is free."""
+        oldest = time.monotonic() - self._reclaim_after_s
+        freed = 0
+        for column in range(self._columns):
+            key, gone = self._keys[column], self._gone[column]
+            if key <= 0 or gone == 0.0 or gone > oldest:
+                continue
+            if any(self._held[holder + column] for holder in self._holders):
+                continue
+            self._keys[column] = _TOMBSTONE
+            self._gone[column] = 0.0
+            freed += 1
+        if freed:
+            log.info("group_table_columns_reclaimed", columns=freed)
+        return freed > 0
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -130,18 +195,30 @@ class GroupLoad:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _find(self, key: int) -> int | None:
-        """The column holding `key`, else the first free one on its probe path, else None."""
+        """The column holding `key`, else the first free or reclaimed one on its probe path,
+        else None."""
         start = key % self._columns
+        reclaimed = None
         for step in range(self._columns):
             column = (start + step) % self._columns
             held = self._keys[column]
-            if held == key or held == 0:
+            if held == key:
                 return column
-        return None
+            if held == 0:
+                return column if reclaimed is None else reclaimed
+            if held == _TOMBSTONE and reclaimed is None:
+                reclaimed = column
+        return reclaimed
 
     def worker(self, url: str) -> WorkerColumn:
         """The worker's column, claimed if no process has yet (`GroupFull` if none is left)."""
-        return WorkerColumn(self._values, self._own, self._others, self.column(url))
+        column = self.column(url)
+        return WorkerColumn(self._values, self._own, self._others, column, self._releases)
+
+    def releases(self) -> int:
+        """A number that changes whenever any process's count on a worker falls: room may have
+        appeared that no event of this process told of (fleet_index.py)."""
+        return self._releases[0]
 
     def publish_row(self, column: int, figures: tuple[float, ...]) -> None:
         """This process's `width` figures in the column, now."""
@@ -163,7 +240,10 @@ class GroupLoad:
         return sums
 
     def close(self) -> None:
+        self._releases.release()
         self._keys.release()
+        self._gone.release()
+        self._held.release()
         self._values.release()
         self._map.close()
         os.close(self._fd)
@@ -173,15 +253,25 @@ class WorkerColumn:
     """One worker's column of the workers' table, as one process writes and reads it: the
     request path's use (three writes and a read per request), so each is a single call."""
 
-    __slots__ = ("_others", "_own", "_values")
+    __slots__ = ("_others", "_own", "_releases", "_values")
 
-    def __init__(self, values: memoryview[float], own: int, others: list[int], column: int) -> None:
+    def __init__(
+        self,
+        values: memoryview[float],
+        own: int,
+        others: list[int],
+        column: int,
+        releases: memoryview[int],
+    ) -> None:
         self._values = values
         self._own = own + WIDTH * column
         self._others = [row + WIDTH * column for row in others]
+        self._releases = releases
 
     def publish(self, count: int, cost: float) -> None:
         """This process's requests on the worker and their estimated cost, now."""
+        if count < self._values[self._own]:
+            self._releases[0] += 1  # unlocked: a lost increment still changes the number
         self._values[self._own] = count
         self._values[self._own + 1] = cost
 

@@ -82,6 +82,7 @@ class Health:
         worker.last_error = outcome.detail
         if worker.healthy and (outcome.eject_now or worker.failures >= self.policy.eject_after):
             worker.healthy = False
+            self._membership.mark(worker)
             self._metrics.ejections.inc(worker.url, outcome.failure)
             log.warning(
                 "worker_ejected", worker=worker.url, reason=outcome.failure, error=outcome.detail
@@ -106,6 +107,8 @@ class Health:
         except (KeyError, TypeError) as bad:
             self.set_health(worker, False, f"unexpected /v1/models answer: {bad!r}")
         else:
+            if models.keys() != worker.models.keys():
+                self._membership.mark(worker)
             worker.models = models
             worker.failures = 0
             worker.slow_probes = 0
@@ -131,4 +134,4 @@ class Health:
         elif changed:  # healthy again: the error from before (a start-up refusal) is past
             worker.last_error = None
         if changed:
-            self._membership.changed()
+            self._membership.changed(worker)

@@ -116,6 +116,7 @@ def take(worker: Worker, reading: Reading, own: int) -> None:
     learn_pace(worker, reading.load)
     learn_batch(worker, reading.load)
     worker.scrape = Scrape(reading.load, reading.at, own)
+    worker.changed()
 
 
 def learn_pace(worker: Worker, load: VllmLoad) -> None:

@@ -2,8 +2,9 @@
 
 Workers join from the settings, DNS discovery and the admin API, and leave the same ways. Every
 other part of the registry reads the same `Worker` objects from here; whoever changes what a
-worker offers (health, counts, load figures, drain) calls `changed()`, and the listeners (flow
-control's pump, docs/flow-control.md) look for room again.
+worker offers (health, counts, load figures, drain) calls `changed(worker)`, and the listeners
+(flow control's pump, docs/flow-control.md) look for room again. Watchers (the routing index,
+fleet_index.py) hear which worker changed, counts included, so that they need not look at all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Membership:
         """With `group`, each worker's counts are shared with the sibling processes
         (group_load.py)."""
         self._group = group
+        self._watchers: list[Callable[[Worker], None]] = []
         self.by_url = {url: self._new_worker(url) for url in urls}
         self._listeners: list[Callable[[], None]] = []
 
@@ -35,7 +37,23 @@ class Membership:
         figures arrived, a worker's health or membership changed (flow control pumps on it)."""
         self._listeners.append(listener)
 
-    def changed(self) -> None:
+    def releases(self) -> Callable[[], int] | None:
+        """What changes when a sibling process's count on a worker falls (group_load.py)."""
+        return None if self._group is None else self._group.releases
+
+    def watch(self, watcher: Callable[[Worker], None]) -> None:
+        """`watcher(worker)` runs whenever something about `worker` changed, its counts too."""
+        self._watchers.append(watcher)
+
+    def mark(self, worker: Worker) -> None:
+        """Tells the watchers that `worker` changed, without the listeners."""
+        for watcher in self._watchers:
+            watcher(worker)
+
+    def changed(self, *workers: Worker) -> None:
+        """`workers` changed (their watchers hear it) and may have room: the listeners look."""
+        for worker in workers:
+            self.mark(worker)
         for listener in self._listeners:
             listener()
 
@@ -51,22 +69,25 @@ class Membership:
         worker = self.by_url.get(url)
         if worker is None:
             worker = self.by_url[url] = self._new_worker(url)
+            self.mark(worker)
         return worker
 
     def _new_worker(self, url: str) -> Worker:
-        if self._group is None:
-            return Worker(url)
-        try:
-            return Worker(url, shared=self._group.worker(url))
-        except GroupFull as full:
-            # Routed on this process's own count plus the readings, like a gateway of one.
-            log.warning("worker_counts_not_shared", worker=url, reason=str(full))
-            return Worker(url)
+        worker = Worker(url, watcher=self.mark)
+        if self._group is not None:
+            try:
+                worker.shared = self._group.worker(url)
+            except GroupFull as full:
+                # Routed on this process's own count plus the readings, like a gateway of one.
+                log.warning("worker_counts_not_shared", worker=url, reason=str(full))
+        return worker
 
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
-        self.by_url.pop(url, None)
-        self.changed()
+        worker = self.by_url.pop(url, None)
+        if worker is not None and self._group is not None:
+            self._group.release(url)
+        self.changed(*([] if worker is None else [worker]))
 
     def drain(self, url: str) -> Worker:
         """No new requests go to `url` (queued ones go elsewhere); those on it finish."""
@@ -85,7 +106,7 @@ class Membership:
             in_flight=worker.in_flight,
             healthy=worker.healthy,
         )
-        self.changed()
+        self.changed(worker)
         return worker
 
     async def wait_idle(self, worker: Worker, timeout_s: float, poll_s: float = 0.05) -> bool:

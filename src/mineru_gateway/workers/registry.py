@@ -5,7 +5,8 @@
 - `Membership` (membership.py): the workers, their drains, and who hears of a change;
 - `Health` (health.py): passive outcomes (ejection) and active probes;
 - `LoadReader` (loads.py): the workers' reported queues, corrected, learnt from and shared;
-- `RoutingViews` (views.py): what routing and flow control see, and the policy's choice;
+- `RoutingViews` (views.py): what routing and flow control see, and the policy's choice
+  among a few workers drawn from the index of those with room (fleet_index.py);
 
 and runs the probes and reads every `interval_s` / `load_interval_s`. `Worker` and `Lease`
 (worker.py) are one worker's state and a request's place on it.
@@ -23,18 +24,20 @@ from mineru_gateway.errors import GatewayError
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import LoadModel, RoutingPolicy, WorkerView
+from mineru_gateway.workers.fleet_index import ANY_ROOM, Offer, RoomCheck
 from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.health import SUCCESS, Health, HealthPolicy, Outcome
 from mineru_gateway.workers.loads import LoadReader, SharedReadings, learn_batch
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.views import RoutingViews
+from mineru_gateway.workers.views import SAMPLE, RoutingViews
 from mineru_gateway.workers.worker import Lease, Reading, Scrape, Worker
 
 __all__ = [
     "SUCCESS",
     "HealthPolicy",
     "Lease",
+    "Offer",
     "Outcome",
     "Reading",
     "Scrape",
@@ -60,6 +63,7 @@ class WorkerRegistry:
         shared_readings: SharedReadings | None = None,
         load: LoadModel | None = None,
         group: GroupLoad | None = None,
+        sample: int = SAMPLE,
     ) -> None:
         """With `shared_readings`, the workers' load figures come from another gateway
         process's readings (loads.py). With `group`, routing and flow control count every
@@ -78,6 +82,7 @@ class WorkerRegistry:
             retry_after_s=self.health.interval_s,
             pace_weighting=pace_weighting,
             batch_limit=batch_limit,
+            sample=sample,
         )
         self._loops: list[Periodic] = []
 
@@ -124,14 +129,30 @@ class WorkerRegistry:
     def views(self) -> list[WorkerView]:
         return self.routing.views()
 
-    def choose(self, model: str | None, exclude: Iterable[str] = ()) -> Worker:
-        return self.routing.choose(model, exclude)
+    def offer(
+        self, model: str | None, room: RoomCheck = ANY_ROOM, exclude: Iterable[str] = ()
+    ) -> Offer:
+        return self.routing.offer(model, room, exclude)
+
+    def roomy_models(self, room: RoomCheck) -> tuple[bool, frozenset[str]]:
+        return self.routing.index.roomy_models(room)
+
+    def routable_models(self, room: RoomCheck = ANY_ROOM) -> frozenset[str]:
+        return self.routing.index.routable_models(room)
+
+    def any_routable(self, room: RoomCheck = ANY_ROOM) -> bool:
+        return self.routing.index.any_routable(room)
+
+    def choose(
+        self, model: str | None, exclude: Iterable[str] = (), room: RoomCheck = ANY_ROOM
+    ) -> Worker:
+        return self.routing.choose(model, exclude, room)
 
     def choose_among(self, candidates: list[WorkerView]) -> Worker:
         return self.routing.choose_among(candidates)
 
-    def why_no_candidate(self, views: list[WorkerView], model: str | None) -> GatewayError:
-        return self.routing.why_no_candidate(views, model)
+    def why_no_candidate(self, model: str | None) -> GatewayError:
+        return self.routing.why_no_candidate(model)
 
     def acquire(self, worker: Worker, cost: Cost) -> Lease:
         return self.routing.acquire(worker, cost)

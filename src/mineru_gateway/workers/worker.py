@@ -66,6 +66,8 @@ class Worker:
     leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
     # With `serve --processes N`: the worker's column of every process's counts (group_load.py).
     shared: WorkerColumn | None = field(default=None, repr=False, compare=False)
+    # Told of every change of its counts: the routing index (fleet_index.py) moves it then.
+    watcher: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
 
     def hold(self, cost: Cost) -> None:
@@ -88,9 +90,16 @@ class Worker:
         self.publish()
 
     def publish(self) -> None:
-        """This process's count and cost on the worker, for its sibling processes to see."""
+        """This process's count and cost on the worker, for its sibling processes to see and
+        its watcher to place it by."""
         if self.shared is not None:
             self.shared.publish(self.in_flight, self.own_cost)
+        self.changed()
+
+    def changed(self) -> None:
+        """Something routing sees of the worker changed: its watcher places it again."""
+        if self.watcher is not None:
+            self.watcher(self)
 
     def siblings_load(self) -> tuple[int, float]:
         """The sibling processes' requests on the worker and their cost (group_load.py)."""

@@ -1,0 +1,248 @@
+"""Which workers have room, kept up to date on events, so a decision never walks the fleet.
+
+A routing decision used to build every worker's view, filter them for the model and for room,
+and score them all: a cost per request that grows with the fleet (docs/operate/fleet-scale.md).
+Here each worker sits in one of two bags per model it serves, *roomy* or *full* (or in none:
+unhealthy, draining, removed), and moves between them when something about it changes: a lease
+taken or released, a reading, a probe, a drain (`mark`). A decision draws `sample` workers from
+the roomy bag (power of d choices) and hands their fresh views to the routing policy; with no
+more roomy workers than `sample`, that is all of them, as exact as a walk.
+
+What changes without an event here is caught at the draw: a sibling process's requests (shared
+counts, group_load.py) can fill a worker the bag still calls roomy, so each drawn view is
+checked again and a full one moves bags. The other way round, room a sibling leaves (or a
+reading that ages out) shows at the worker's next reading, or, when no roomy worker is left,
+by looking at the full workers again: at once when a sibling's count fell since the last look
+(`releases`), else at most every `rescan_s`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, Protocol
+
+from mineru_gateway.routing import WorkerView
+from mineru_gateway.workers.membership import Membership
+from mineru_gateway.workers.worker import Worker
+
+RESCAN_S = 0.1  # at most this often, a full look for room no event reported
+
+
+class RoomCheck(Protocol):
+    """What the index asks of flow control's room policy (flow.RoomPolicy)."""
+
+    def has_room(self, view: WorkerView) -> bool: ...
+
+
+class NoRoomCheck:
+    """Every routable worker has room: routing without flow control."""
+
+    def has_room(self, view: WorkerView) -> bool:
+        return view.healthy
+
+
+ANY_ROOM = NoRoomCheck()
+
+
+class _Bag:
+    """Workers in no order: adding, removing and drawing one at random cost the same at any
+    size (a list and each worker's place in it)."""
+
+    __slots__ = ("items", "where")
+
+    def __init__(self) -> None:
+        self.items: list[Worker] = []
+        self.where: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, worker: Worker) -> None:
+        if worker.url not in self.where:
+            self.where[worker.url] = len(self.items)
+            self.items.append(worker)
+
+    def discard(self, url: str) -> None:
+        at = self.where.pop(url, None)
+        if at is None:
+            return
+        last = self.items.pop()
+        if at < len(self.items):
+            self.items[at] = last
+            self.where[last.url] = at
+
+    def draw(self, count: int, rng: random.Random) -> list[Worker]:
+        """`count` distinct workers at random; all of them, in order, when there are no more."""
+        items = self.items
+        if len(items) <= count:
+            return list(items)
+        return [items[at] for at in rng.sample(range(len(items)), count)]
+
+
+class _Pool:
+    """The routable workers that serve one model (or any: the `None` pool)."""
+
+    __slots__ = ("full", "roomy")
+
+    def __init__(self) -> None:
+        self.roomy = _Bag()
+        self.full = _Bag()
+
+    def __bool__(self) -> bool:
+        return bool(self.roomy.items or self.full.items)
+
+
+class Offer(NamedTuple):
+    """A decision's candidates: fresh views of drawn workers with room, else (none has room)
+    of drawn routable workers; `roomy` tells which."""
+
+    views: list[WorkerView]
+    roomy: bool
+
+
+class FleetIndex:
+    def __init__(
+        self,
+        membership: Membership,
+        build: Callable[[Worker, float], WorkerView],
+        rng: random.Random,
+        sample: int,
+        rescan_s: float = RESCAN_S,
+        releases: Callable[[], int] | None = None,
+    ) -> None:
+        """`build(worker, now)` is a worker's view now; `sample` the workers a decision draws;
+        `releases()` changes whenever a sibling process's count fell (group_load.py)."""
+        self._membership = membership
+        self._releases = releases
+        self._released = -1
+        self._build = build
+        self._rng = rng
+        self.sample = sample
+        self._rescan_s = rescan_s
+        self._room: RoomCheck | None = None
+        self._dirty: dict[str, Worker] = {}
+        self._placed: dict[str, tuple[Worker, frozenset[str]]] = {}
+        self._pools: dict[str | None, _Pool] = {None: _Pool()}
+        self._rescanned = -float("inf")
+        membership.watch(self.mark)
+
+    def mark(self, worker: Worker) -> None:
+        """Something about `worker` changed: it is placed again before the next decision."""
+        self._dirty[worker.url] = worker
+
+    def mark_all(self) -> None:
+        for worker in self._membership.by_url.values():
+            self._dirty[worker.url] = worker
+
+    # -- what decisions ask ----------------------------------------------------------------
+    def offer(self, model: str | None, room: RoomCheck, exclude: Iterable[str] = ()) -> Offer:
+        """Up to `sample` views of routable workers that serve `model`, not in `exclude`: those
+        with room if any has, else any (empty when none is routable)."""
+        sorted_by = self._refresh(room)
+        pool = self._pools.get(model)
+        if pool is None or not pool:
+            return Offer([], False)
+        skip = frozenset(exclude)
+        now = time.monotonic()
+        views = self._draw_roomy(pool, room, skip, now)
+        if not views and self._rescan(now):
+            self._flush(sorted_by)
+            views = self._draw_roomy(pool, room, skip, now)
+        if views:
+            return Offer(views, True)
+        drawn = [w for w in pool.full.draw(self.sample + len(skip), self._rng) if w.url not in skip]
+        built = [self._build(worker, now) for worker in drawn[: self.sample]]
+        return Offer([view for view in built if view.healthy], False)
+
+    def routable_models(self, room: RoomCheck) -> frozenset[str]:
+        """Every model some routable worker serves."""
+        self._refresh(room)
+        return frozenset(model for model, pool in self._pools.items() if model and pool)
+
+    def any_routable(self, room: RoomCheck) -> bool:
+        self._refresh(room)
+        return bool(self._pools[None])
+
+    def roomy_models(self, room: RoomCheck) -> tuple[bool, frozenset[str]]:
+        """Whether any worker has room, and the models those with room serve."""
+        sorted_by = self._refresh(room)
+        if not self._pools[None].roomy and self._rescan(time.monotonic()):
+            self._flush(sorted_by)
+        roomy = bool(self._pools[None].roomy)
+        models = frozenset(m for m, pool in self._pools.items() if m and pool.roomy)
+        return roomy, models
+
+    # -- keeping the bags ------------------------------------------------------------------
+    def _refresh(self, room: RoomCheck) -> RoomCheck:
+        """The room the bags are sorted by, with every change since placed: the first room
+        policy asked with; `ANY_ROOM` (a retry, routing without flow control) reads the same
+        bags, roomy first."""
+        if self._room is None or (room is not self._room and room is not ANY_ROOM):
+            self._room = room
+            self.mark_all()
+        if self._dirty:
+            self._flush(self._room)
+        return self._room
+
+    def _rescan(self, now: float) -> bool:
+        """Whether to look at the full workers again (no roomy one is left), for room no event
+        here told of (module docstring); they are marked if so."""
+        released = self._released if self._releases is None else self._releases()
+        if released == self._released and now - self._rescanned < self._rescan_s:
+            return False
+        self._released, self._rescanned = released, now
+        for worker in self._pools[None].full.items:
+            self._dirty[worker.url] = worker
+        return True
+
+    def _flush(self, room: RoomCheck) -> None:
+        now = time.monotonic()
+        dirty, self._dirty = self._dirty, {}
+        for url, worker in dirty.items():
+            self._place(url, worker, room, now)
+
+    def _place(self, url: str, worker: Worker, room: RoomCheck, now: float) -> WorkerView | None:
+        """Puts the worker in the bags its view says; its view, or None if it left."""
+        placed = self._placed.pop(url, None)
+        if placed is not None:
+            for model in (None, *placed[1]):
+                pool = self._pools[model]
+                pool.roomy.discard(url)
+                pool.full.discard(url)
+        if self._membership.by_url.get(url) is not worker:
+            return None  # removed (or replaced by a new worker at the same URL, marked too)
+        view = self._build(worker, now)
+        if not view.healthy:
+            return view
+        roomy = room.has_room(view)
+        self._placed[url] = (worker, view.models)
+        for model in (None, *view.models):
+            into = self._pools.get(model)
+            if into is None:
+                into = self._pools[model] = _Pool()
+            (into.roomy if roomy else into.full).add(worker)
+        return view
+
+    def _draw_roomy(
+        self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
+    ) -> list[WorkerView]:
+        """Fresh views of up to `sample` roomy workers, each checked again: one found full (a
+        sibling's requests, module docstring) moves bags and another is drawn, a few times."""
+        views: list[WorkerView] = []
+        seen = set(skip)
+        for _ in range(4):
+            wanted = self.sample - len(views)
+            drawn = pool.roomy.draw(wanted + len(seen), self._rng) if wanted > 0 else []
+            fresh = [worker for worker in drawn if worker.url not in seen][:wanted]
+            if not fresh:
+                break  # enough, or every roomy worker was looked at
+            for worker in fresh:
+                seen.add(worker.url)
+                view = self._build(worker, now)
+                if room.has_room(view):
+                    views.append(view)
+                else:
+                    self._place(worker.url, worker, self._room or room, now)
+        return views

@@ -1,0 +1,100 @@
+"""Decisions over a large fleet (workers/fleet_index.py): a few workers drawn from those with
+room, kept up to date on events, never a full one while others have room."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+from mineru_gateway.cost import Cost
+from mineru_gateway.flow import FairQueue, RoomPolicy, TenantPolicy
+from mineru_gateway.routing import QueueLength
+from mineru_gateway.workers.dispatcher import Admission, Dispatcher
+from mineru_gateway.workers.group_load import GroupLoad
+from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+
+MODEL = "m"
+BATCH = 4
+
+
+def big_fleet(size: int, *, sample: int = 8, group: GroupLoad | None = None) -> Dispatcher:
+    registry = WorkerRegistry(
+        [f"http://w{n}:1" for n in range(size)],
+        UpstreamClient(Timeouts(1, 1, 1)),
+        QueueLength(),
+        batch_limit=BATCH,
+        rng=random.Random(7),
+        sample=sample,
+        group=group,
+    )
+    for worker in registry.workers:
+        worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
+    room = RoomPolicy(headroom=0.0, min_headroom=0)  # exactly BATCH per worker
+    return Dispatcher(registry, FairQueue(), room)
+
+
+def ask() -> Admission:
+    return Admission(TenantPolicy("a"), 0, Cost(prefill=0.0, hold=1.0), 100, MODEL)
+
+
+async def test_at_256_workers_a_quarter_full_get_no_request() -> None:
+    dispatcher = big_fleet(256)
+    registry = dispatcher.registry
+    full = registry.workers[::4]
+    for worker in full:
+        for _ in range(BATCH):
+            registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+    chosen: Counter[str] = Counter()
+    for _ in range(2000):
+        grant = await dispatcher.acquire(ask())
+        chosen[grant.lease.worker.url] += 1
+        grant.release()
+    assert not chosen.keys() & {worker.url for worker in full}
+    assert len(chosen) > 150  # spread over the workers with room, not stuck on a few
+
+
+async def test_held_requests_fill_the_fleet_evenly_and_then_queue() -> None:
+    """Kept leases: each decision sees the last one's (the index moves a worker as it fills),
+    so the fleet fills to exactly its room and the next request waits."""
+    dispatcher = big_fleet(64)
+    grants = [await dispatcher.acquire(ask()) for _ in range(64 * BATCH)]
+    per_worker = Counter(grant.lease.worker.url for grant in grants)
+    assert set(per_worker.values()) == {BATCH}
+    waiting = dispatcher.registry.offer(MODEL, dispatcher.room)
+    assert not waiting.roomy
+    grants.pop().release()  # room on one worker: it is found at once
+    offer = dispatcher.registry.offer(MODEL, dispatcher.room)
+    assert offer.roomy and len(offer.views) == 1
+    for grant in grants:
+        grant.release()
+
+
+async def test_a_decision_looks_at_no_more_than_its_sample() -> None:
+    dispatcher = big_fleet(512, sample=5)
+    offer = dispatcher.registry.offer(MODEL, dispatcher.room)
+    assert offer.roomy and len(offer.views) == 5
+
+
+async def test_a_worker_filled_by_a_sibling_process_is_seen_full_when_drawn(
+    tmp_path: Path,
+) -> None:
+    """The sibling's requests are no event in this process: the draw checks again."""
+    ours = big_fleet(32, group=GroupLoad(tmp_path / "t", 2, 0))
+    theirs = GroupLoad(tmp_path / "t", 2, 1)
+    registry = ours.registry
+    assert ours.registry.offer(MODEL, ours.room).roomy  # every worker placed as roomy
+    busy = registry.workers[:31]
+    for worker in busy:
+        theirs.worker(worker.url).publish(BATCH, float(BATCH))
+    for _ in range(20):
+        grant = await ours.acquire(ask())
+        assert grant.lease.worker is registry.workers[31]
+        grant.release()
+    theirs.worker(busy[0].url).publish(0, 0.0)  # the sibling's requests there end
+    for worker in registry.workers[31:]:
+        for _ in range(BATCH):
+            registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+    grant = await ours.acquire(ask())
+    assert grant.lease.worker is busy[0]
