@@ -150,7 +150,37 @@ class GatewaySettings(BaseSettings):
         0.2, gt=0, description="Between two reads of each worker's /metrics (its vLLM queue)."
     )
     stale_after_s: float = Field(
-        1.0, gt=0, description="Worker queue figures older than this are ignored for routing."
+        1.0,
+        gt=0,
+        description="Worker queue figures older than this are ignored for routing (at least two "
+        "read periods, when the GET budget stretches them).",
+    )
+    max_worker_gets_per_s: float | None = Field(
+        1.25,
+        gt=0,
+        description="GETs per second each worker answers from this gateway (all its processes: "
+        "one reads and probes for all): /health, /v1/models every 30 s, and /metrics reads "
+        "with what is left, so load_interval_s is stretched to fit. 4 replicas: 5 GETs/s per "
+        "worker (docs/operate/fleet-scale.md). Unset: no limit.",
+    )
+    max_fleet_gets_per_s: float | None = Field(
+        250.0,
+        gt=0,
+        description="GETs per second this gateway sends to all its workers together, half for "
+        "probes and half for load reads: with many workers each is read and probed less often, "
+        "so the gateway's idle CPU stays bounded (docs/operate/fleet-scale.md). Unset: no limit.",
+    )
+    routing_sample: int = Field(
+        8,
+        ge=2,
+        description="Workers with room a routing decision draws at random and the policy "
+        "chooses among (power of d choices); a fleet no larger is looked at whole.",
+    )
+    per_worker_metrics: bool = Field(
+        False,
+        description="Label the request, latency, token and routing series of /metrics by worker "
+        "too. Off: those are by model only, and per worker only health, in-flight, queue and "
+        "ejections, so /metrics stays small with many workers (docs/operate/fleet-scale.md).",
     )
     kv_avoid_above: float = Field(
         0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."

@@ -12,12 +12,14 @@ requests arriving there are marked as a sibling's. Through those sockets a proce
   process or many run;
 - applies an operator's change to every process: adding, removing, draining or undraining a
   worker is forwarded to the siblings, or the processes would route differently;
-- reads the workers' `/metrics` once for all: the first process reads them every
-  `load_interval_s` and the others take its readings (`readings`), so a worker's API server
-  serves one read per interval however many processes there are (each read costs it CPU:
-  benchmarks/results/scrape_cost.md). A reading carries the time it was taken (time.monotonic()
-  is one clock for the whole host), so it ages the same in every process; while the first
-  process restarts, the others' figures age and they route on their own counts.
+- reads and probes the workers once for all: the first process reads their `/metrics` and
+  probes their health, and the others take what it found (`readings`: each worker's reading,
+  health and models), so a worker's API server answers one replica however many processes
+  there are (each read costs it CPU: benchmarks/results/scrape_cost.md). The reader keeps each
+  worker's part of its answer serialised until the worker changes (`Findings`), so a fetch
+  joins bytes rather than serialising the fleet. A reading carries the time it was taken
+  (time.monotonic() is one clock for the whole host), so it ages the same in every process;
+  while the first process restarts, the others' figures age and they route on their own counts.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from mineru_gateway.workers.group_load import (
     QueueHeads,
 )
 from mineru_gateway.workers.vllm_metrics import VllmLoad
-from mineru_gateway.workers.worker import Scrape
+from mineru_gateway.workers.worker import Scrape, Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.siblings")
 
@@ -281,8 +283,8 @@ class Siblings:
                 )
         return failed
 
-    async def readings(self) -> dict[str, Scrape]:
-        """The workers' load figures the reading process took; none while it does not answer
+    async def readings(self) -> dict[str, Shared]:
+        """What the reading process found of each worker; nothing while it does not answer
         (restarting), so that the figures age."""
         try:
             status, body = await self.request(READER, "GET", SHARED_READINGS_PATH, timeout_s=1.0)
@@ -290,7 +292,48 @@ class Siblings:
             return {}
         if status != 200:
             return {}
-        return {url: reading_from_json(fields) for url, fields in orjson.loads(body).items()}
+        return findings_from_json(body)
+
+
+class Findings:
+    """The reading process's findings for its siblings, as JSON: each worker's part made
+    again only when what it shows changed (compared by identity and value), the whole joined
+    per fetch."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, tuple[Scrape | None, bool, object, str | None, bytes]] = {}
+
+    def body(self, workers: Iterable[Worker]) -> bytes:
+        parts: dict[str, tuple[Scrape | None, bool, object, str | None, bytes]] = {}
+        for worker in workers:
+            part = self._parts.get(worker.url)
+            if (
+                part is None
+                or part[0] is not worker.scrape
+                or part[1] != worker.healthy
+                or part[2] is not worker.models
+                or part[3] != worker.last_error
+            ):
+                fields = {
+                    "reading": None if worker.scrape is None else reading_json(worker.scrape),
+                    "healthy": worker.healthy,
+                    "models": worker.models,
+                    "error": worker.last_error,
+                }
+                encoded = orjson.dumps(worker.url) + b":" + orjson.dumps(fields)
+                part = (worker.scrape, worker.healthy, worker.models, worker.last_error, encoded)
+            parts[worker.url] = part
+        self._parts = parts
+        return b"{" + b",".join(part[4] for part in parts.values()) + b"}"
+
+
+def findings_from_json(body: bytes) -> dict[str, Shared]:
+    found = {}
+    for url, fields in orjson.loads(body).items():
+        reading = fields["reading"]
+        scrape = None if reading is None else reading_from_json(reading)
+        found[url] = Shared(scrape, fields["healthy"], fields["models"], fields["error"])
+    return found
 
 
 def reading_json(scrape: Scrape) -> dict[str, float]:

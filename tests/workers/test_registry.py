@@ -16,6 +16,7 @@ from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import (
     HealthPolicy,
     Scrape,
+    Shared,
     WorkerRegistry,
     learn_batch,
 )
@@ -153,13 +154,23 @@ async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_on
     """Another process's readings (siblings.py): taken with the time they were read, learnt
     from (pace) once each, and never a worker's /metrics read (the URLs lead nowhere)."""
     now = time.monotonic()
+    models = {"m": {"id": "m"}}
     feeds = [
-        {"http://a:1": Scrape(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4, 0)},
-        {"http://a:1": Scrape(VllmLoad(3, 7, 0.5, itl_sum=1.0, itl_count=100), now - 0.4, 0)},
-        {"http://a:1": Scrape(VllmLoad(1, 8, 0.6, itl_sum=3.0, itl_count=200), now - 0.2, 0)},
+        {
+            url: Shared(Scrape(VllmLoad(*load, itl_sum=s, itl_count=n), now - age, 0), *health)
+            for url, (load, s, n, age), health in (
+                ("http://a:1", feed, (True, models, None)),
+                ("http://b:1", ((0, 0, 0.0), 0.0, 0, 9.0), (False, {}, "refused")),
+            )
+        }
+        for feed in (
+            ((3, 7, 0.5), 1.0, 100, 0.4),
+            ((3, 7, 0.5), 1.0, 100, 0.4),
+            ((1, 8, 0.6), 3.0, 200, 0.2),
+        )
     ]
 
-    async def shared() -> dict[str, Scrape]:
+    async def shared() -> dict[str, Shared]:
         return feeds.pop(0)
 
     registry = WorkerRegistry(
@@ -169,8 +180,10 @@ async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_on
         shared_readings=shared,
     )
     first, second = registry.workers
-    first.healthy = second.healthy = True
-    await registry.read_all_loads()
+    second.healthy = True
+    await registry.read_all_loads()  # health and models come from the reading process too
+    assert first.healthy and first.models == models
+    assert not second.healthy and second.last_error == "refused"
     taken = first.scrape
     assert taken is not None and taken.at == now - 0.4 and taken.load.running == 7
     assert second.scrape is None

@@ -51,6 +51,7 @@ from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.rolling import Restart, RollingRestart
+from mineru_gateway.workers.sweep import Budget
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
 log = structlog.get_logger("mineru_gateway.app")
@@ -139,6 +140,8 @@ def build_registry(
         # (benchmarks/results/scrape_cost.md).
         shared_readings=siblings.readings if siblings and siblings.index != READER else None,
         group=table,
+        sample=settings.routing_sample,
+        budget=Budget(settings.max_worker_gets_per_s, settings.max_fleet_gets_per_s),
     )
 
 

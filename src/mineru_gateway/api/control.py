@@ -29,7 +29,7 @@ from mineru_gateway.errors import (
     UnknownPath,
     UnknownWorker,
 )
-from mineru_gateway.siblings import SHARED_READINGS_PATH, SIBLING_SCOPE_KEY, reading_json
+from mineru_gateway.siblings import SHARED_READINGS_PATH, SIBLING_SCOPE_KEY
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.rolling import RollingRestart
 
@@ -142,13 +142,12 @@ async def metrics(request: Request) -> Response:
 
 @router.get(SHARED_READINGS_PATH)
 async def readings(request: Request) -> Response:
-    """The workers' load figures this process read, for its siblings only (siblings.py):
-    with several processes, the first reads every worker's `/metrics` for all."""
+    """What this process found of the workers (readings, health, models), for its siblings
+    only (siblings.py): with several processes, the first reads and probes for all."""
     if not _from_sibling(request):
         raise UnknownPath(f"{SHARED_READINGS_PATH} is for the gateway's own processes")
-    context = _context(request)
-    taken = context.registry.readings(max_age_s=context.settings.stale_after_s)
-    return json_response({url: reading_json(reading) for url, reading in taken.items()})
+    registry = _context(request).registry
+    return Response(registry.findings.body(registry.workers), media_type="application/json")
 
 
 # -- the workers ----------------------------------------------------------------------------

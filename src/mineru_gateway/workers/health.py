@@ -1,12 +1,13 @@
 """Whether each worker may take requests: passive outcomes and active probes.
 
-Health is learnt two ways: an active probe (`GET /health`, then `GET /v1/models`) every
-`interval_s`, and passively: a worker that cannot be connected to, or answers 5xx or drops
-connections `eject_after` times in a row, is taken out of routing and comes back on its next good
-probe. A probe that is refused or answered with an error takes a worker out at once; one that
-merely times out does so only `slow_probes_to_eject` times in a row: a worker busy with a full
-batch (or sharing a few cores) answers `/health` late, and taking every such worker out would turn
-load into a "no healthy worker" outage.
+Health is learnt two ways: an active probe (`GET /health`, and `GET /v1/models` every
+MODELS_EVERY_S or while the worker is out) every `interval_s`, or less often as the budget of
+GETs allows (registry.py), and passively: a worker that cannot be connected to, or answers 5xx
+or drops connections `eject_after` times in a row, is taken out of routing and comes back on its
+next good probe. A probe that is refused or answered with an error takes a worker out at once;
+one that merely times out does so only `slow_probes_to_eject` times in a row: a worker busy with
+a full batch (or sharing a few cores) answers `/health` late, and taking every such worker out
+would turn load into a "no healthy worker" outage.
 
 Whoever sends a request reports the attempt's outcome with one call, `report(worker, outcome)`;
 this module alone decides what that means for the worker's health.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -25,9 +27,13 @@ from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import LOAD_PATH
-from mineru_gateway.workers.worker import Worker
+from mineru_gateway.workers.worker import Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.registry")
+
+# A worker's models change only with a restart (which a failed probe or read shows first): asked
+# again this often, not at every probe (docs/operate/fleet-scale.md).
+MODELS_EVERY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +95,22 @@ class Health:
             )
 
     # -- active ----------------------------------------------------------------------------
-    async def check(self, worker: Worker) -> None:
+    async def probe(self, worker: Worker, now: float) -> None:
+        """The periodic probe: `/health`, and its models only when last listed long ago or
+        while it is out (it may come back another vLLM)."""
+        listed = worker.models_at is not None and now - worker.models_at < MODELS_EVERY_S
+        await self.check(worker, models=not (listed and worker.healthy))
+
+    async def check(self, worker: Worker, *, models: bool = True) -> None:
+        """`/health`, then (`models`) `/v1/models`."""
         timeout = self.policy.timeout_s
         try:
             await self._client.get_ok(f"{worker.url}/health", timeout)
-            listing = await self._client.get_json(f"{worker.url}/v1/models", timeout)
-            models = {card["id"]: card for card in listing["data"]}
+            listed = worker.models
+            if models:
+                listing = await self._client.get_json(f"{worker.url}/v1/models", timeout)
+                listed = {card["id"]: card for card in listing["data"]}
+                worker.models_at = time.monotonic()
         except UpstreamTimeout as exc:
             worker.slow_probes += 1
             if worker.healthy and worker.slow_probes < self.policy.slow_probes_to_eject:
@@ -107,9 +123,7 @@ class Health:
         except (KeyError, TypeError) as bad:
             self.set_health(worker, False, f"unexpected /v1/models answer: {bad!r}")
         else:
-            if models.keys() != worker.models.keys():
-                self._membership.mark(worker)
-            worker.models = models
+            self._take_models(worker, listed)
             worker.failures = 0
             worker.slow_probes = 0
             self.set_health(worker, True, None)
@@ -117,6 +131,19 @@ class Health:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(worker) for worker in self._membership.workers))
+
+    def take_shared(self, worker: Worker, known: Shared) -> None:
+        """What the process that probes for all found (siblings.py)."""
+        self._take_models(worker, known.models)
+        if known.healthy != worker.healthy:
+            self.set_health(worker, known.healthy, known.error)
+
+    def _take_models(self, worker: Worker, models: dict[str, dict[str, Any]]) -> None:
+        if models is worker.models or models == worker.models:
+            return  # the same: the views built on the models stay
+        if models.keys() != worker.models.keys():
+            self._membership.mark(worker)
+        worker.models = models
 
     def set_health(self, worker: Worker, healthy: bool, error: str | None) -> None:
         """What a probe found; a change is told to the membership's listeners."""

@@ -1,18 +1,19 @@
 """What load each worker reports: its queue read from its `/metrics`, and what is learnt from it.
 
 Routing and flow control count the gateway's own requests at once (`Lease`); the workers' own
-queues, which include everyone else's requests, come from here every `interval_s`
-(docs/architecture.md). Each reading is corrected for the gateway's requests sent while it was
-under way, teaches a worker's pace (inter-token latency) and batch size, and is shared: with
-`serve --processes N` one process reads the workers for all and the others take its readings
-(siblings.py), so each worker's API server serves one read per interval.
+queues, which include everyone else's requests, come from here every `interval_s` or less
+often, as the registry's budget allows (docs/architecture.md, docs/operate/fleet-scale.md).
+Each reading is corrected for the gateway's requests sent while it was under way, teaches a
+worker's pace (inter-token latency) and batch size, and is shared: with `serve --processes N`
+one process reads the workers for all and the others take its readings (siblings.py), so each
+worker's API server serves one read per interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -20,52 +21,39 @@ from mineru_gateway.errors import GatewayError, UpstreamStatusError
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.vllm_metrics import FULL_PATH, VllmLoad, parse_vllm_load
-from mineru_gateway.workers.worker import Reading, Scrape, Worker
+from mineru_gateway.workers.worker import Reading, Scrape, Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.registry")
 
 ITL_SMOOTHING = 0.3
 
-SharedReadings = Callable[[], Awaitable[Mapping[str, Scrape]]]
+# Another process's findings (siblings.py): each worker's reading, health and models.
+SharedReadings = Callable[[], Awaitable[dict[str, Shared]]]
 
 
 class LoadReader:
-    def __init__(
-        self,
-        membership: Membership,
-        client: UpstreamClient,
-        interval_s: float,
-        shared_readings: SharedReadings | None = None,
-    ) -> None:
-        """With `shared_readings`, the workers' load figures come from that (another gateway
-        process's readings, siblings.py) instead of each worker's `/metrics`."""
+    def __init__(self, membership: Membership, client: UpstreamClient, interval_s: float) -> None:
         self._membership = membership
         self._client = client
         self.interval_s = interval_s
-        self._shared_readings = shared_readings
 
     @property
     def _timeout(self) -> float:
         return max(1.0, 4 * self.interval_s)
 
     async def read_all(self) -> None:
-        if self._shared_readings is not None:
-            self._take_shared(await self._shared_readings())
-        else:
-            workers = self._membership.workers
-            await asyncio.gather(*(self.read(w) for w in workers if w.healthy))
-        self._membership.changed()
+        workers = self._membership.workers
+        await asyncio.gather(*(self.read(w) for w in workers if w.healthy))
 
-    def _take_shared(self, readings: Mapping[str, Scrape]) -> None:
-        for worker in self._membership.workers:
-            if worker.healthy and (reading := readings.get(worker.url)) is not None:
-                # The reader's count at its read is the whole gateway's where the worker's
-                # counts are shared (a full table leaves a worker out: then this process's
-                # own count is the best there is, as the reader's is for the reader).
-                shared = worker.shared is not None
-                take(worker, reading, reading.own_in_flight if shared else worker.in_flight)
+    def take_shared(self, worker: Worker, reading: Scrape) -> None:
+        # The reader's count at its read is the whole gateway's where the worker's counts are
+        # shared (a full table leaves a worker out: then this process's own count is the best
+        # there is, as the reader's is for the reader).
+        shared = worker.shared is not None
+        take(worker, reading, reading.own_in_flight if shared else worker.in_flight)
 
-    async def read(self, worker: Worker) -> None:
+    async def read(self, worker: Worker) -> bool:
+        """Reads `worker`'s load; whether a reading was taken."""
         own, leased, path = worker.in_flight, worker.leased, worker.load_path
         siblings = worker.siblings_load()[0]
         why = "the filtered read has no load series"
@@ -73,10 +61,10 @@ class LoadReader:
             text = await self._client.get_ok(worker.url + path, self._timeout)
         except UpstreamStatusError as error:
             if path == FULL_PATH:
-                return
+                return False
             text, why = b"", str(error)
         except GatewayError:
-            return  # the figures age; past `stale_after_s` routing ignores them
+            return False  # the figures age; past `stale_after_s` routing ignores them
         load = parse_vllm_load(text)
         if load is not None:
             # The worker may have counted the requests sent while the read was under way: they
@@ -88,13 +76,16 @@ class LoadReader:
             # The same for the sibling processes' (whose sends during the read are not known
             # one by one): the larger of their counts before and after it.
             own += max(siblings, worker.siblings_load()[0])
-            take(worker, Reading(load, time.monotonic()), own)
-        elif path != FULL_PATH:
+            worker.read_at = time.monotonic()
+            take(worker, Reading(load, worker.read_at), own)
+            return True
+        if path != FULL_PATH:
             # vLLM with several API servers (a multiprocess registry knows no names), or a
             # server without vLLM's `/metrics/` mount: the whole page from now on.
             worker.load_path = FULL_PATH
             log.info("worker_load_unfiltered", worker=worker.url, reason=why)
-            await self.read(worker)
+            return await self.read(worker)
+        return False
 
     def readings(self, max_age_s: float) -> dict[str, Scrape]:
         """The latest load figures of each worker read within `max_age_s`, with the gateway's

@@ -61,6 +61,12 @@ class Membership:
     def workers(self) -> list[Worker]:
         return list(self.by_url.values())
 
+    def workers_list(self) -> list[Worker]:
+        return list(self.by_url.values())
+
+    def healthy_list(self) -> list[Worker]:
+        return [worker for worker in self.by_url.values() if worker.healthy]
+
     def worker(self, url: str) -> Worker:
         return self.by_url[url]
 

@@ -8,14 +8,18 @@
 - `RoutingViews` (views.py): what routing and flow control see, and the policy's choice
   among a few workers drawn from the index of those with room (fleet_index.py);
 
-and runs the probes and reads every `interval_s` / `load_interval_s`. `Worker` and `Lease`
-(worker.py) are one worker's state and a request's place on it.
+and runs the probes and reads: round the workers, each at its own phase, every `interval_s` /
+`load_interval_s` or less often, as the budget of GETs allows (sweep.py). With sibling
+processes, one process reads and probes for all and the others take what it found
+(`shared_readings`, siblings.py): a worker's API server answers one replica, not each process.
+`Worker` and `Lease` (worker.py) are one worker's state and a request's place on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,14 +28,16 @@ from mineru_gateway.errors import GatewayError
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
 from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import LoadModel, RoutingPolicy, WorkerView
+from mineru_gateway.siblings import Findings
 from mineru_gateway.workers.fleet_index import ANY_ROOM, Offer, RoomCheck
 from mineru_gateway.workers.group_load import GroupLoad
-from mineru_gateway.workers.health import SUCCESS, Health, HealthPolicy, Outcome
+from mineru_gateway.workers.health import MODELS_EVERY_S, SUCCESS, Health, HealthPolicy, Outcome
 from mineru_gateway.workers.loads import LoadReader, SharedReadings, learn_batch
 from mineru_gateway.workers.membership import Membership
+from mineru_gateway.workers.sweep import Budget, Sweep
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.views import SAMPLE, RoutingViews
-from mineru_gateway.workers.worker import Lease, Reading, Scrape, Worker
+from mineru_gateway.workers.worker import Lease, Reading, Scrape, Shared, Worker
 
 __all__ = [
     "SUCCESS",
@@ -41,6 +47,7 @@ __all__ = [
     "Outcome",
     "Reading",
     "Scrape",
+    "Shared",
     "Worker",
     "WorkerRegistry",
     "learn_batch",
@@ -64,15 +71,20 @@ class WorkerRegistry:
         load: LoadModel | None = None,
         group: GroupLoad | None = None,
         sample: int = SAMPLE,
+        budget: Budget | None = None,
     ) -> None:
-        """With `shared_readings`, the workers' load figures come from another gateway
-        process's readings (loads.py). With `group`, routing and flow control count every
-        process's requests (group_load.py)."""
+        """With `shared_readings`, the workers' load figures and health come from another
+        gateway process's reads and probes (loads.py). With `group`, routing and flow control
+        count every process's requests (group_load.py). `budget`: the GETs this replica may
+        send the workers (sweep.py); none, no limit."""
         metrics = metrics or GatewayMetrics()
         self.health = health or HealthPolicy()
+        self.budget = budget or Budget()
         self.membership = Membership(urls, group)
         self.checks = Health(self.membership, client, self.health, metrics)
-        self.loads = LoadReader(self.membership, client, load_interval_s, shared_readings)
+        self.loads = LoadReader(self.membership, client, load_interval_s)
+        self._shared_readings = shared_readings
+        self.findings = Findings()  # what this process found, for its siblings (siblings.py)
         self.routing = RoutingViews(
             self.membership,
             policy,
@@ -85,6 +97,7 @@ class WorkerRegistry:
             sample=sample,
         )
         self._loops: list[Periodic] = []
+        self._sweeps: list[Sweep] = []
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -172,25 +185,80 @@ class WorkerRegistry:
 
     # -- load ------------------------------------------------------------------------------
     async def read_load(self, worker: Worker) -> None:
-        await self.loads.read(worker)
+        if await self.loads.read(worker):
+            self.membership.changed()
 
     async def read_all_loads(self) -> None:
-        await self.loads.read_all()
+        """Every healthy worker's load now, or the reading process's findings (siblings)."""
+        if self._shared_readings is not None:
+            self.take_shared(await self._shared_readings())
+        else:
+            await self.loads.read_all()
+        self.membership.changed()
+
+    def take_shared(self, found: dict[str, Shared]) -> None:
+        """The reading process's findings: each worker's health, models and reading."""
+        for worker in self.membership.workers:
+            known = found.get(worker.url)
+            if known is not None:
+                self.checks.take_shared(worker, known)
+                if known.scrape is not None and worker.healthy:
+                    self.loads.take_shared(worker, known.scrape)
 
     def readings(self, max_age_s: float) -> dict[str, Scrape]:
         return self.loads.readings(max_age_s)
 
+    # -- the budget ------------------------------------------------------------------------
+    def probe_period(self, workers: int) -> float:
+        """Seconds between two probes of each worker: a GET of /health, and of /v1/models
+        every MODELS_EVERY_S; half the fleet's budget at most."""
+        gets = 1.0 + self.health.interval_s / MODELS_EVERY_S
+        fleet = None if self.budget.fleet is None else self.budget.fleet / 2
+        return Budget(fleet=fleet).period(self.health.interval_s, workers, gets)
+
+    def read_period(self, workers: int) -> float:
+        """Seconds between two load reads of each worker: what the budget leaves after the
+        probes; the readings stay fresh for routing over two such periods (views.py)."""
+        budget = self.budget
+        per_worker = budget.per_worker
+        if per_worker is not None:
+            probes = (1.0 + self.health.interval_s / MODELS_EVERY_S) / self.probe_period(workers)
+            per_worker = max(per_worker / 4, per_worker - probes)
+        fleet = None if budget.fleet is None else budget.fleet / 2
+        period = Budget(per_worker, fleet).period(self.loads.interval_s, workers)
+        self.routing.read_every(period)
+        return period
+
     # -- the loops -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Probes every worker once (so the first requests find them), then keeps probing."""
+        """Probes every worker once (so the first requests find them), then keeps probing and
+        reading, each worker at its own phase; a sibling process takes the reader's findings
+        instead (module docstring)."""
         await self.check_all()
-        self._loops = [
-            Periodic("worker-health", self.health.interval_s, self.check_all),
-            Periodic("load", self.loads.interval_s, self.read_all_loads),
+        if self._shared_readings is not None:
+            period = self.read_period(len(self.membership.by_url))
+            self._loops = [Periodic("load", period, self._take_shared)]
+            for loop in self._loops:
+                loop.start()
+            return
+        self._sweeps = [
+            Sweep("worker-health", self.membership.workers_list, self.probe_period, self._probe),
+            Sweep("load", self.membership.healthy_list, self.read_period, self.read_load),
         ]
-        for loop in self._loops:
-            loop.start()
+        for sweep in self._sweeps:
+            sweep.start()
+
+    async def _probe(self, worker: Worker) -> None:
+        await self.checks.probe(worker, time.monotonic())
+
+    async def _take_shared(self) -> None:
+        await self.read_all_loads()
+        for loop in self._loops:  # the period follows the fleet's size
+            loop.interval_s = self.read_period(len(self.membership.by_url))
 
     async def stop(self) -> None:
         await stop_all(self._loops)
         self._loops = []
+        for sweep in self._sweeps:
+            await sweep.stop()
+        self._sweeps = []

@@ -12,6 +12,7 @@ room (fleet_index.py), so its cost does not grow with the fleet (docs/operate/fl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
@@ -28,6 +29,8 @@ from mineru_gateway.workers.worker import Lease, Worker
 SLOWNESS_BOUNDS = (0.25, 8.0)
 SAMPLE = 8  # workers a decision looks at, by default (config.py: routing_sample)
 PACE_EVERY_S = 0.5  # the peers' median pace is worked out again at most this often
+# A reading stays fresh for at least this many read periods: one late read must not drop it.
+FRESH_PERIODS = 2.0
 
 
 class RoutingViews:
@@ -50,7 +53,7 @@ class RoutingViews:
         the workers with room a decision draws and the policy chooses among."""
         self._membership = membership
         self.policy = policy
-        self._load = load
+        self._configured = self._load = load
         self._metrics = metrics
         self._rng = rng
         self._retry_after_s = retry_after_s
@@ -59,6 +62,15 @@ class RoutingViews:
         self._slowness: dict[str, float] = {}
         self._paced_at = -float("inf")
         self.index = FleetIndex(membership, self._view, rng, sample, releases=membership.releases())
+
+    def read_every(self, period_s: float) -> None:
+        """Readings come every `period_s` (the budget stretches it with the fleet's size,
+        registry.py): each stays fresh for FRESH_PERIODS of them, or the configured
+        `stale_after_s` if longer, so that routing does not drop readings it will not get
+        more often (docs/operate/fleet-scale.md)."""
+        stale_after_s = max(self._configured.stale_after_s, FRESH_PERIODS * period_s)
+        if stale_after_s != self._load.stale_after_s:
+            self._load = dataclasses.replace(self._configured, stale_after_s=stale_after_s)
 
     def views(self) -> list[WorkerView]:
         now = time.monotonic()

@@ -35,6 +35,16 @@ class Scrape(Reading):
     own_in_flight: int
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What the process that reads and probes the workers tells its siblings of one worker."""
+
+    scrape: Scrape | None
+    healthy: bool
+    models: dict[str, dict[str, Any]]
+    error: str | None
+
+
 class _BuiltView(NamedTuple):
     """A worker's last view, the reading and models it was built from (compared by identity)
     and until when its reading's freshness holds."""
@@ -64,6 +74,8 @@ class Worker:
     draining: bool = False  # takes no new requests (a rolling restart, an operator's drain)
     load_path: str = LOAD_PATH  # FULL_PATH from a failed filtered read until an outage ends
     leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
+    read_at: float | None = None  # its last good load read (time.monotonic()): it is up
+    models_at: float | None = None  # its models were last listed (time.monotonic())
     # With `serve --processes N`: the worker's column of every process's counts (group_load.py).
     shared: WorkerColumn | None = field(default=None, repr=False, compare=False)
     # Told of every change of its counts: the routing index (fleet_index.py) moves it then.
