@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.metrics import Counter, Histogram
@@ -128,3 +129,42 @@ def test_npu_telemetry_in_the_gateway_metrics(
 def test_npu_telemetry_is_off_by_default(start_sim: StartSim, start_gateway: StartGateway) -> None:
     gateway = start_gateway([start_sim(model_name="m")])
     assert "npu_" not in httpx.get(gateway + "/metrics").text
+
+
+def test_past_the_per_worker_limit_request_series_fold_into_one_and_gauges_stay() -> None:
+    from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, WorkerGauges
+
+    per_worker = [True]
+    metrics = GatewayMetrics()
+    metrics.worker_labels.per_worker = lambda: per_worker[0]
+    metrics.requests.inc("chat", "m", "http://w0:1", "200", "ok")
+    metrics.e2e.series("m", "http://w0:1").observe(0.5)
+    per_worker[0] = False  # the fleet grew past the limit
+    for n in range(1, 200):
+        metrics.requests.inc("chat", "m", f"http://w{n}:1", "200", "ok")
+        metrics.e2e.series("m", f"http://w{n}:1").observe(0.5)
+        metrics.ejections.inc(f"http://w{n}:1", "status_5xx")
+    gauges = [WorkerGauges(f"http://w{n}:1", True, 1, 0.0, 1.0, 0.1, 0.2) for n in range(200)]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(GatewayCollector(metrics, lambda: gauges, "queue"))
+    text = generate_latest(registry).decode()
+    assert total(text, "mineru_gateway_requests_total", worker="") == 199
+    assert total(text, "mineru_gateway_requests_total", worker="http://w0:1") == 1
+    assert total(text, "mineru_gateway_e2e_request_latency_seconds_count", worker="") == 199
+    assert total(text, "mineru_gateway_worker_ejections_total") == 199  # per worker, always
+    assert total(text, "mineru_gateway_worker_healthy") == 200
+    folded = [line for line in text.splitlines() if 'worker="http://w5:1"' in line]
+    assert folded and all("worker_" in line or "in_flight" in line for line in folded)
+
+
+def test_a_costly_exposition_is_served_again_while_young_and_a_cheap_one_never() -> None:
+    from mineru_gateway.metrics import ExpositionCache
+
+    cache = ExpositionCache()
+    cache.put(b"cheap", 100.0, 0.001)
+    assert cache.get(100.0) is None
+    cache.put(b"costly", 100.0, 0.05)
+    assert cache.get(100.4) == b"costly"
+    assert cache.get(100.6) is None
+    cache.put(b"huge", 200.0, 5.0)
+    assert cache.get(200.9) == b"huge" and cache.get(201.1) is None

@@ -466,3 +466,12 @@ async def test_a_ring_reaches_the_process_and_rings_pile_up_into_one_look(tmp_pa
     second.close()
     first.ring(1)  # a process that went away
     first.close()
+
+
+def test_siblings_figures_as_json_merge_as_their_expositions_do() -> None:
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from mineru_gateway.siblings import families_of, merge_families
+
+    as_data = [orjson.loads(orjson.dumps(families_of(parse(t)))) for t in (PROCESS_A, PROCESS_B)]
+    assert merge_families(as_data) == merge_expositions([PROCESS_A, PROCESS_B])

@@ -176,11 +176,12 @@ class GatewaySettings(BaseSettings):
         description="Workers with room a routing decision draws at random and the policy "
         "chooses among (power of d choices); a fleet no larger is looked at whole.",
     )
-    per_worker_metrics: bool = Field(
-        False,
+    per_worker_metrics: bool | None = Field(
+        None,
         description="Label the request, latency, token and routing series of /metrics by worker "
-        "too. Off: those are by model only, and per worker only health, in-flight, queue and "
-        "ejections, so /metrics stays small with many workers (docs/operate/fleet-scale.md).",
+        "too. Unset: while the gateway has at most 64 workers. Off: one series for all workers "
+        '(worker=""), and per worker only health, in-flight, queue and ejections, so /metrics '
+        "stays small with many workers (docs/operate/fleet-scale.md).",
     )
     kv_avoid_above: float = Field(
         0.95, gt=0, le=1, description="Workers whose KV cache is fuller are avoided when possible."

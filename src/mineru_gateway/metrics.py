@@ -5,6 +5,12 @@ so gateway and worker series cannot collide (docs/architecture.md, peer complain
 Latencies follow `vllm bench serve`'s definitions (docs/vllm.md), measured at the gateway: TTFT is
 send to the first streamed chunk, ITL every gap between chunks, E2E send to the last byte.
 
+A large fleet must not make `/metrics` large (docs/operate/fleet-scale.md): per worker, the
+gateway always exports what operators watch per worker (health, in-flight, queue, ejections);
+the request, latency, token and routing series carry the worker's URL only while the fleet is
+small or `per_worker_metrics` says so (`WorkerLabels`), and otherwise `worker=""`, one series
+for all workers.
+
 Recording must cost the hot path nothing measurable: every token of every stream crosses the relay.
 So counters and histograms here are plain Python numbers updated without locks (everything runs on
 the one event loop thread) and turned into metric families only when `/metrics` is scraped; gauges
@@ -39,9 +45,39 @@ ITL_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 
 Labels = tuple[str, ...]
+# Up to this many workers, a fleet's request and latency series are per worker by default.
+PER_WORKER_UP_TO = 64
 
 
-class Histogram:
+class WorkerLabels:
+    """Whether series with a `worker` label carry each worker's URL, or fold every worker
+    into one series (`worker=""`, which Prometheus reads as no label): `per_worker()` is asked
+    when a series is looked up (once per request and metric)."""
+
+    def __init__(self, per_worker: Callable[[], bool] = lambda: True) -> None:
+        self.per_worker = per_worker
+
+    def fold(self, values: Labels, at: int) -> Labels:
+        if at < 0 or self.per_worker():
+            return values
+        return (*values[:at], "", *values[at + 1 :])
+
+
+class _Labelled:
+    """A metric whose `worker` label (if it has one) `WorkerLabels` may fold."""
+
+    name: str
+    labels: Labels
+    workers: WorkerLabels | None = None
+
+    def _key(self, values: Labels) -> Labels:
+        workers = self.workers
+        if workers is None:
+            return values
+        return workers.fold(values, self.labels.index("worker") if "worker" in self.labels else -1)
+
+
+class Histogram(_Labelled):
     """A labelled histogram kept as plain lists: `observe` is a short scan and two additions."""
 
     def __init__(self, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]):
@@ -51,6 +87,7 @@ class Histogram:
 
     def series(self, *values: str) -> Series:
         """The series for these label values; callers keep it for a request's lifetime."""
+        values = self._key(values)
         found = self._series.get(values)
         if found is None:
             found = self._series[values] = Series(self.buckets)
@@ -84,7 +121,7 @@ def _bound(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-class Counter:
+class Counter(_Labelled):
     """A labelled counter: each series' total in a one-item list (its cell), which a caller
     counting the same series again and again may hold (`cell`) rather than look up."""
 
@@ -93,6 +130,7 @@ class Counter:
         self._cells: dict[Labels, list[float]] = {}
 
     def inc(self, *values: str, amount: float = 1.0) -> None:
+        values = self._key(values)
         cell = self._cells.get(values)
         if cell is None:
             self._cells[values] = [amount]
@@ -101,6 +139,7 @@ class Counter:
 
     def cell(self, *values: str) -> list[float]:
         """The series' cell, `[total]`; the series is exported from now on, at 0 until counted."""
+        values = self._key(values)
         found = self._cells.get(values)
         if found is None:
             found = self._cells[values] = [0.0]
@@ -111,6 +150,32 @@ class Counter:
         for values, (total,) in self._cells.items():
             family.add_metric(list(values), total)
         return family
+
+
+class ExpositionCache:
+    """The last `/metrics` rendered, served again while it is young next to what it cost.
+
+    Rendering runs in the event loop and its cost grows with the series: a scrape of a large
+    fleet must not stall requests each time (docs/operate/fleet-scale.md). A text that cost
+    `c` seconds of CPU, at least KEEP_FROM_S, is served again for `KEEP_FACTOR * c` seconds, at
+    most KEEP_MAX_S: a cheap one (a small fleet) is rendered afresh for every scrape.
+    """
+
+    KEEP_FROM_S = 0.01
+    KEEP_FACTOR = 10.0
+    KEEP_MAX_S = 1.0
+
+    def __init__(self) -> None:
+        self._body = b""
+        self._until = -float("inf")
+
+    def get(self, now: float) -> bytes | None:
+        return self._body if now < self._until else None
+
+    def put(self, body: bytes, now: float, cost_s: float) -> None:
+        if cost_s >= self.KEEP_FROM_S:
+            self._body = body
+            self._until = now + min(self.KEEP_MAX_S, self.KEEP_FACTOR * cost_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +298,15 @@ class GatewayMetrics:
             ("tenant", "kind"),
         )
     )
+
+    # Whether the request, latency, token and routing series are per worker (module docstring).
+    worker_labels: WorkerLabels = field(default_factory=WorkerLabels)
+    exposition: ExpositionCache = field(default_factory=ExpositionCache)
+
+    def __post_init__(self) -> None:
+        for metric in self.own():
+            if "worker" in metric.labels and metric is not self.ejections:
+                metric.workers = self.worker_labels
 
     def own(self) -> Iterable[Counter | Histogram]:
         return (

@@ -7,8 +7,9 @@ reported queues (the same signal that balances several gateway replicas). Beside
 serves the whole gateway app on a private Unix socket in a directory only its user can open;
 requests arriving there are marked as a sibling's. Through those sockets a process
 
-- answers `/metrics` for the whole gateway: it asks every sibling for its own exposition and
-  merges them (`merge_expositions`), so dashboards and alerts read the same series whether one
+- answers `/metrics` for the whole gateway: it asks every sibling for its own figures (as
+  JSON, `families_json`: merging parsed JSON costs far less than parsing N expositions) and
+  merges them (`merge_families`), so dashboards and alerts read the same series whether one
   process or many run;
 - applies an operator's change to every process: adding, removing, draining or undraining a
   worker is forwarded to the siblings, or the processes would route differently;
@@ -54,6 +55,8 @@ log = structlog.get_logger("mineru_gateway.siblings")
 
 SIBLING_SCOPE_KEY = "mineru_gateway.sibling"  # set on requests that came over a sibling socket
 SHARED_READINGS_PATH = "/v1/internal/readings"  # answered over a sibling socket only
+# A sibling's /metrics request asks for this: its figures as JSON (`families_json`), not text.
+FAMILIES_TYPE = "application/x-mineru-gateway-families+json"
 READER = 0  # the process that reads the workers' /metrics for all
 IN_FLIGHT_FIELD = "gateway_in_flight"  # in a shared reading: the gateway's count at the read
 GROUP_TABLE = "in-flight.table"  # every process's counts per worker (workers/group_load.py)
@@ -78,33 +81,52 @@ EARLIEST_GAUGES = frozenset({"mineru_gateway_start_time_seconds"})
 PROCESSES_GAUGE = "mineru_gateway_processes"
 
 
+# A process's figures as plain data: (name, type, documentation, [(sample, labels, value)]).
+FamilyData = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+def families_of(metrics: Iterable[Metric]) -> list[FamilyData]:
+    return [
+        (m.name, m.type, m.documentation, [(s.name, s.labels, s.value) for s in m.samples])
+        for m in metrics
+    ]
+
+
+def families_json(registry: CollectorRegistry) -> bytes:
+    """This process's figures for a sibling to merge (`merge_families`)."""
+    return orjson.dumps(families_of(registry.collect()))
+
+
 def merge_expositions(texts: Sequence[str]) -> bytes:
-    """One Prometheus exposition for the processes whose own expositions are `texts`.
+    """`merge_families` of Prometheus expositions (text)."""
+    return merge_families([families_of(text_string_to_metric_families(t)) for t in texts])
+
+
+def merge_families(processes: Sequence[Sequence[FamilyData]]) -> bytes:
+    """One Prometheus exposition for the processes whose own figures are `processes`.
 
     Counters and histograms add up; gauges follow SUMMED_GAUGES / EARLIEST_GAUGES, else the
     largest value. `mineru_gateway_processes` says how many processes answered.
     """
     families: dict[str, Metric] = {}
     tables: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            merged = families.get(family.name)
+    for process in processes:
+        for name, kind, documentation, samples in process:
+            merged = families.get(name)
             if merged is None:
-                merged = families[family.name] = Metric(
-                    family.name, family.documentation, family.type
-                )
-                tables[family.name] = {}
-            table = tables[family.name]
-            rule = _rule(family)
-            for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
+                merged = families[name] = Metric(name, documentation, kind)
+                tables[name] = {}
+            table = tables[name]
+            rule = _rule(name, kind)
+            for sample_name, labels, value in samples:
+                key = (sample_name, tuple(sorted(labels.items())))
                 before = table.get(key)
-                table[key] = sample.value if before is None else rule(before, sample.value)
+                table[key] = value if before is None else rule(before, value)
     for name, merged in families.items():
-        for (sample_name, labels), value in tables[name].items():
-            merged.add_sample(sample_name, dict(labels), value)
+        for (sample_name, pairs), value in tables[name].items():
+            merged.add_sample(sample_name, dict(pairs), value)
     count = Metric(PROCESSES_GAUGE, "Gateway processes whose figures this scrape holds.", "gauge")
-    count.add_sample(PROCESSES_GAUGE, {}, float(len(texts)))
+    count.add_sample(PROCESSES_GAUGE, {}, float(len(processes)))
     families[PROCESSES_GAUGE] = count
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(families.values()))
@@ -151,10 +173,10 @@ class Doorbell:
         self._socket.close()
 
 
-def _rule(family: Metric) -> Callable[[float, float], float]:
-    if family.type != "gauge" or family.name in SUMMED_GAUGES:
+def _rule(name: str, kind: str) -> Callable[[float, float], float]:
+    if kind != "gauge" or name in SUMMED_GAUGES:
         return operator.add
-    if family.name in EARLIEST_GAUGES:
+    if name in EARLIEST_GAUGES:
         return min
     return max
 
@@ -251,22 +273,26 @@ class Siblings:
         for session in sessions:
             await session.close()
 
-    async def metrics(self, own: bytes) -> bytes:
-        """The whole gateway's /metrics: this process's `own` exposition and its siblings'.
+    async def metrics(self, own: CollectorRegistry) -> bytes:
+        """The whole gateway's /metrics: this process's figures (`own`) and its siblings'.
 
         A sibling that does not answer (restarting) is left out of this scrape and logged.
         """
+        headers = {"accept": FAMILIES_TYPE}
         answers = await asyncio.gather(
-            *(self.request(index, "GET", "/metrics", timeout_s=5.0) for index in self.others),
+            *(
+                self.request(index, "GET", "/metrics", headers, timeout_s=5.0)
+                for index in self.others
+            ),
             return_exceptions=True,
         )
-        texts = [own.decode()]
+        processes = [families_of(own.collect())]
         for index, answer in zip(self.others, answers, strict=True):
             if isinstance(answer, BaseException) or answer[0] != 200:
                 log.warning("sibling_metrics_missing", process=index, error=repr(answer)[:200])
                 continue
-            texts.append(answer[1].decode())
-        return merge_expositions(texts)
+            processes.append(orjson.loads(answer[1]))
+        return merge_families(processes)
 
     async def forward(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> int:
         """Repeats an operator's change on every sibling; returns how many did not take it."""

@@ -35,7 +35,12 @@ from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
-from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
+from mineru_gateway.metrics import (
+    PER_WORKER_UP_TO,
+    GatewayCollector,
+    GatewayMetrics,
+    QueueGauges,
+)
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.siblings import READER, Siblings
 from mineru_gateway.telemetry import (
@@ -88,6 +93,7 @@ def build_context(
     # reading (benchmarks/results/processes_full_batch.md).
     table = siblings.group_load() if siblings is not None else None
     registry = build_registry(settings, client, metrics, load_model, siblings, table)
+    metrics.worker_labels.per_worker = per_worker_metrics(settings, registry)
     cost_model = CostModel(
         prefill_weight=settings.prefill_weight,
         decode_weight=settings.decode_weight,
@@ -110,6 +116,16 @@ def build_context(
         siblings=siblings,
         results=build_result_cache(settings),
     )
+
+
+def per_worker_metrics(settings: GatewaySettings, registry: WorkerRegistry) -> Callable[[], bool]:
+    """Whether request and latency series are labelled by worker (metrics.py): as set, else
+    while the fleet has at most PER_WORKER_UP_TO workers (docs/operate/fleet-scale.md)."""
+    chosen = settings.per_worker_metrics
+    if chosen is not None:
+        return lambda: chosen
+    workers = registry.membership.by_url
+    return lambda: len(workers) <= PER_WORKER_UP_TO
 
 
 def build_registry(

@@ -29,7 +29,12 @@ from mineru_gateway.errors import (
     UnknownPath,
     UnknownWorker,
 )
-from mineru_gateway.siblings import SHARED_READINGS_PATH, SIBLING_SCOPE_KEY
+from mineru_gateway.siblings import (
+    FAMILIES_TYPE,
+    SHARED_READINGS_PATH,
+    SIBLING_SCOPE_KEY,
+    families_json,
+)
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.rolling import RollingRestart
 
@@ -118,12 +123,26 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": registry.models()})
 
 
-async def render_metrics(context: GatewayContext, *, sibling: bool) -> bytes:
-    """This process's exposition for a sibling's scrape, else the whole gateway's."""
-    own = generate_latest(context.metrics_registry)
-    if context.siblings is None or sibling:
-        return own
-    return await context.siblings.metrics(own)
+async def render_metrics(
+    context: GatewayContext, *, sibling: bool, families: bool = False
+) -> bytes:
+    """This process's figures for a sibling's scrape (JSON if it asks for `families`), else
+    the whole gateway's exposition, reused while young next to its cost (metrics.py)."""
+    if sibling:
+        if families:
+            return families_json(context.metrics_registry)
+        return generate_latest(context.metrics_registry)
+    cache = context.metrics.exposition
+    cached = cache.get(time.monotonic())
+    if cached is not None:
+        return cached
+    cpu = time.thread_time()
+    if context.siblings is None:
+        body = generate_latest(context.metrics_registry)
+    else:
+        body = await context.siblings.metrics(context.metrics_registry)
+    cache.put(body, time.monotonic(), time.thread_time() - cpu)
+    return body
 
 
 @router.get("/metrics")
@@ -136,8 +155,9 @@ async def metrics(request: Request) -> Response:
             "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
             "not on this port"
         )
-    body = await render_metrics(context, sibling=sibling)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    families = sibling and request.headers.get("accept") == FAMILIES_TYPE
+    body = await render_metrics(context, sibling=sibling, families=families)
+    return Response(body, media_type=FAMILIES_TYPE if families else CONTENT_TYPE_LATEST)
 
 
 @router.get(SHARED_READINGS_PATH)
