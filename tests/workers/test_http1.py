@@ -423,12 +423,17 @@ async def test_a_stream_arrives_whole_however_its_reads_are_cut() -> None:
     assert [len(requests) for requests in seen.requests] == [len(plans)]
 
 
-async def test_the_parsed_url_cache_is_bounded_and_drops_only_its_oldest() -> None:
-    """Past MAX_KEYS the oldest parsed URL goes, not all of them: the workers' URLs in use stay
-    parsed however many others came and went."""
+async def test_the_parsed_url_cache_grows_with_the_workers_and_drops_only_its_oldest() -> None:
+    """The table holds a few URLs per worker whatever the fleet's size; past that (more paths
+    per worker than expected) the oldest parsed URL goes, counted, not all of them."""
     async with pool() as connections:
-        connections.MAX_KEYS = 3
-        urls = [f"http://127.0.0.1:{port}/v1/completions" for port in range(1000, 1005)]
-        keys = [connections._key(url) for url in urls]
-        assert all(connections._key(url) is keys[i] for i, url in enumerate(urls) if i >= 2)
-        assert connections._key(urls[0]) is not keys[0]  # the oldest, parsed again
+        connections.MIN_KEYS, connections.KEYS_PER_SLOT = 4, 2
+        fleet = [f"http://127.0.0.1:{port}/{path}" for port in range(1000, 1600) for path in "ab"]
+        keys = [connections._key(url) for url in fleet]
+        assert all(connections._key(url) is key for url, key in zip(fleet, keys, strict=True))
+        assert connections.evicted == 0  # 1,200 URLs of 600 workers: all kept
+        paths = [f"http://127.0.0.1:2000/{n}" for n in range(50)]
+        for url in paths:
+            connections._key(url)
+        assert connections.evicted == 50 - 2  # one worker's two were room enough
+        assert connections._key(fleet[-1]) is keys[-1]  # the newest stay parsed

@@ -32,6 +32,9 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+import structlog
+
+log = structlog.get_logger("mineru_gateway.upstream")
 
 
 class ConnectFailed(Exception):
@@ -357,7 +360,11 @@ class _Key:
 class Http1Pool:
     """Keep-alive connections to the workers, newest first; one request per connection."""
 
-    MAX_KEYS = 4096  # parsed URLs kept; workers x paths, so a handful in practice
+    # Parsed URLs kept: at least MIN_KEYS, and KEYS_PER_SLOT per worker (scheme, host, port)
+    # known, so that the table grows with the fleet (a worker has a handful: its API's paths, its
+    # probes, its reads). Past that, the oldest goes, with a warning (docs/operate/fleet-scale.md).
+    MIN_KEYS = 4096
+    KEYS_PER_SLOT = 16
 
     def __init__(self, connect_timeout_s: float, keepalive_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
@@ -365,6 +372,8 @@ class Http1Pool:
         self._idle: dict[Slot, list[_Connection]] = {}
         self._busy: set[_Connection] = set()
         self._keys: dict[str, _Key] = {}
+        self._per_slot: dict[Slot, int] = {}  # parsed URLs kept per worker
+        self.evicted = 0  # parsed URLs let go for room: more paths per worker than expected
         self._tls: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
 
@@ -416,10 +425,22 @@ class Http1Pool:
     def _key(self, url: str) -> _Key:
         key = self._keys.get(url)
         if key is None:
-            if len(self._keys) >= self.MAX_KEYS:  # the oldest goes: the rest stay parsed
-                del self._keys[next(iter(self._keys))]
             key = self._keys[url] = _Key(url)
+            self._per_slot[key.slot] = self._per_slot.get(key.slot, 0) + 1
+            if len(self._keys) > max(self.MIN_KEYS, self.KEYS_PER_SLOT * len(self._per_slot)):
+                self._evict_oldest()
         return key
+
+    def _evict_oldest(self) -> None:
+        oldest = self._keys.pop(next(iter(self._keys)))
+        left = self._per_slot[oldest.slot] - 1
+        if left:
+            self._per_slot[oldest.slot] = left
+        else:
+            del self._per_slot[oldest.slot]
+        self.evicted += 1
+        if self.evicted & (self.evicted - 1) == 0:  # the 1st, 2nd, 4th, 8th...: loud, not a flood
+            log.warning("upstream_url_table_full", kept=len(self._keys), evicted=self.evicted)
 
     def _take_idle(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key.slot)
