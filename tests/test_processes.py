@@ -475,3 +475,27 @@ def test_siblings_figures_as_json_merge_as_their_expositions_do() -> None:
 
     as_data = [orjson.loads(orjson.dumps(families_of(parse(t)))) for t in (PROCESS_A, PROCESS_B)]
     assert merge_families(as_data) == merge_expositions([PROCESS_A, PROCESS_B])
+
+
+def test_the_readers_findings_round_trip_and_each_worker_is_serialised_once() -> None:
+    import time
+
+    from mineru_gateway.siblings import Findings, findings_from_json
+    from mineru_gateway.workers.vllm_metrics import VllmLoad
+    from mineru_gateway.workers.worker import Scrape, Worker
+
+    a, b = Worker("http://a:1", healthy=True, models={"m": {"id": "m"}}), Worker("http://b:1")
+    b.last_error = "refused"
+    a.scrape = Scrape(VllmLoad(1, 2, 0.5, 3.0, 4.0), time.monotonic(), 2)
+    findings = Findings()
+    first = findings.body([a, b])
+    found = findings_from_json(first)
+    assert found["http://a:1"].scrape == a.scrape and found["http://a:1"].models == a.models
+    assert not found["http://b:1"].healthy and found["http://b:1"].error == "refused"
+    parts = dict(findings._parts)
+    assert findings.body([a, b]) == first
+    assert all(findings._parts[url][4] is parts[url][4] for url in parts)  # not made again
+    b.healthy = True
+    findings.body([a, b])
+    assert findings._parts["http://a:1"][4] is parts["http://a:1"][4]
+    assert findings._parts["http://b:1"][4] is not parts["http://b:1"][4]

@@ -164,7 +164,7 @@ class GatewaySettings(BaseSettings):
         "worker (docs/operate/fleet-scale.md). Unset: no limit.",
     )
     max_fleet_gets_per_s: float | None = Field(
-        250.0,
+        200.0,
         gt=0,
         description="GETs per second this gateway sends to all its workers together, half for "
         "probes and half for load reads: with many workers each is read and probed less often, "

@@ -29,6 +29,7 @@ class Membership:
         (group_load.py)."""
         self._group = group
         self._watchers: list[Callable[[Worker], None]] = []
+        self._listed: list[Worker] | None = None
         self.by_url = {url: self._new_worker(url) for url in urls}
         self._listeners: list[Callable[[], None]] = []
 
@@ -62,10 +63,11 @@ class Membership:
         return list(self.by_url.values())
 
     def workers_list(self) -> list[Worker]:
-        return list(self.by_url.values())
-
-    def healthy_list(self) -> list[Worker]:
-        return [worker for worker in self.by_url.values() if worker.healthy]
+        """The workers, as a list made again only when one joins or leaves (asked by the
+        registry's sweep at every tick)."""
+        if self._listed is None:
+            self._listed = list(self.by_url.values())
+        return self._listed
 
     def worker(self, url: str) -> Worker:
         return self.by_url[url]
@@ -75,6 +77,7 @@ class Membership:
         worker = self.by_url.get(url)
         if worker is None:
             worker = self.by_url[url] = self._new_worker(url)
+            self._listed = None
             self.mark(worker)
         return worker
 
@@ -91,6 +94,7 @@ class Membership:
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
         worker = self.by_url.pop(url, None)
+        self._listed = None
         if worker is not None and self._group is not None:
             self._group.release(url)
         self.changed(*([] if worker is None else [worker]))

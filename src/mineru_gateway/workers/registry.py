@@ -18,6 +18,7 @@ processes, one process reads and probes for all and the others take what it foun
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -242,14 +243,27 @@ class WorkerRegistry:
                 loop.start()
             return
         self._sweeps = [
-            Sweep("worker-health", self.membership.workers_list, self.probe_period, self._probe),
-            Sweep("load", self.membership.healthy_list, self.read_period, self.read_load),
+            Sweep("workers", self.membership.workers_list, self._visit_period, self._visit)
         ]
         for sweep in self._sweeps:
             sweep.start()
 
-    async def _probe(self, worker: Worker) -> None:
-        await self.checks.probe(worker, time.monotonic())
+    def _visit_period(self, workers: int) -> float:
+        return min(self.read_period(workers), self.probe_period(workers))
+
+    async def _visit(self, worker: Worker) -> None:
+        """A worker's turn: its probe when due, then its load read, one after the other on
+        the same connection (a connection made costs the gateway more than the GET: with a
+        large fleet a worker's turn comes after its keep-alive has lapsed)."""
+        workers = len(self.membership.by_url)
+        visits = self._visit_period(workers)
+        # Every k-th visit, k the fewest that keeps the probes within their period's budget.
+        every = math.ceil(self.probe_period(workers) / visits - 0.01) * visits
+        probed = worker.last_checked
+        if probed is None or time.time() - probed >= every - visits / 2:
+            await self.checks.probe(worker, time.monotonic())
+        if worker.healthy:
+            await self.read_load(worker)
 
     async def _take_shared(self) -> None:
         await self.read_all_loads()
