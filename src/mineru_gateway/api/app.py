@@ -31,6 +31,7 @@ from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
+from mineru_gateway.api.usage import add_usage_route
 from mineru_gateway.cache.service import build_result_cache
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
@@ -46,6 +47,7 @@ from mineru_gateway.errors import (
 )
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
+from mineru_gateway.reload import CredentialWatcher
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.siblings import (
     READER,
@@ -61,6 +63,7 @@ from mineru_gateway.telemetry import (
     parse_device_workers,
     register_npu_metrics,
 )
+from mineru_gateway.tracing.setup import start_tracing, stop_tracing
 from mineru_gateway.workers.discovery import DnsDiscovery
 from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
@@ -304,6 +307,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         context = build_context(settings, lifecycle, control, siblings)
+        if settings.tracing:
+            start_tracing()
+        watcher = CredentialWatcher(settings, context.tenants, context.metrics.config_reloads)
         if context.rolling is not None:
             context.lifecycle.on_rolling_restart(_start_rolling(context.rolling))
         # One process reads npu-smi for all: each reading takes the driver's time.
@@ -333,6 +339,7 @@ def create_app(
         await context.client.start()
         await discovery.start()
         await context.registry.start()
+        watcher.start()
         if telemetry is not None:
             await telemetry.start()
         log.info(
@@ -346,6 +353,7 @@ def create_app(
         finally:
             for listener in listeners:
                 await listener.stop()
+            await watcher.stop()
             if context.rolling is not None:
                 await context.rolling.stop()
             if telemetry is not None:
@@ -357,12 +365,15 @@ def create_app(
                 await context.results.close()
             if siblings is not None:
                 await siblings.close()
+            if settings.tracing:
+                await stop_tracing()
 
     app = FastAPI(title="mineru-gateway", version=__version__, lifespan=lifespan)
     relays = {path: Relay(endpoint) for endpoint, path in PATHS.items()}
     for path, relay in relays.items():
         app.router.routes.append(Route(path, relay, methods=["POST"]))
     _add_control_routes(app)
+    add_usage_route(app)
     _add_error_handlers(app)
     gateway = GatewayApp(app, relays, request_limits(settings))  # the lifespan's sibling view
     return gateway
