@@ -25,6 +25,7 @@ SERVER_KIND, CLIENT_KIND = 2, 3  # opentelemetry-proto's Span.SpanKind
 BODY = {
     "model": "echo-model",
     "messages": [{"role": "user", "content": "\nText Recognition:"}],
+    "temperature": 0.0,  # greedy: the request leads a coalesced generation (docs/cache.md)
 }
 
 
