@@ -3,6 +3,8 @@ headers it receives, spans sent over OTLP/HTTP to a receiver built here (receive
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -127,3 +129,20 @@ def test_with_tracing_off_the_clients_trace_context_reaches_the_worker_unchanged
     assert httpx.post(gateway + CHAT, json=BODY).status_code == 200
     assert "traceparent" not in script.seen[-1]["headers"]  # none given, none invented
     assert receiver.posts == 0
+
+
+def test_a_gateway_without_tracing_never_starts_the_sdk() -> None:
+    """Off, tracing costs a module attribute check: neither the gateway's spans nor an exporter
+    are imported (redis imports parts of the SDK for its own use, so that is not looked at)."""
+    script = (
+        "import sys\n"
+        "from mineru_gateway.api.app import create_app\n"
+        "from mineru_gateway.config import GatewaySettings\n"
+        "create_app(GatewaySettings())\n"
+        "print(sorted(m for m in sys.modules if m.startswith(\n"
+        "    ('mineru_gateway.tracing.spans', 'opentelemetry.exporter', 'opentelemetry.proto'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
