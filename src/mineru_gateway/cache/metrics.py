@@ -14,7 +14,6 @@ from prometheus_client.registry import Collector
 
 from mineru_gateway.metrics import Counter
 
-
 ERROR_REASONS = ("timeout", "unavailable", "corrupt")
 
 
