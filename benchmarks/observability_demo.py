@@ -43,7 +43,7 @@ DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 
 # The compose targets in deploy/prometheus/prometheus.yml: replaced by local ones. The workers
 # come from a file that `mineru-gateway compose` writes (one per NPU): replaced by a static list.
-GATEWAY_TARGET = "gateway:30000"
+GATEWAY_TARGET = "gateway:9464"
 WORKER_TARGETS_FILE = "    file_sd_configs:\n      - files:\n          - targets/workers.yml\n"
 NPU_EXPORTER_TARGET = "npu-exporter:8083"
 _INTERVAL = re.compile(r"^(\s*)(scrape_interval|scrape_timeout|evaluation_interval): \S+$", re.M)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,96 @@ def test_up_runs_one_gateway_process_and_says_so(
     assert "one gateway process only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--processes", "2"])
+
+
+def test_up_help_says_what_its_flags_count_and_their_defaults() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mineru_gateway", "up", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    text = " ".join(result.stdout.split())
+    assert "how many workers to start, a count" in text and "(default: 4)" in text
+    assert "(default: sim)" in text
+    assert "--log-to-terminal, --no-log-to-terminal" in text
+    assert "--flow-control, --no-flow-control" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "value"),
+    [
+        ([], None),  # unset: the environment's, else the setting's default
+        (["--flow-control"], True),
+        (["--no-flow-control"], False),
+        (["--flow-control=false"], False),  # as Compose and Kubernetes pass a variable
+        (["--flow-control", "no"], False),
+        (["--flow-control=1"], True),
+    ],
+)
+def test_on_off_settings_are_flag_and_no_flag_and_still_take_a_value(
+    flags: list[str], value: bool | None
+) -> None:
+    assert build_parser().parse_args(["serve", *flags]).flow_control is value
+
+
+@pytest.mark.parametrize("flags", [["--no-flow-control=true"], ["--flow-control=maybe"]])
+def test_on_off_settings_refuse_what_is_not_a_boolean(flags: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+
+
+def test_npu_exporter_names_is_a_switch_too() -> None:
+    parse = build_parser().parse_args
+    assert parse(["npu-exporter"]).npu_exporter_names is True
+    assert parse(["npu-exporter", "--no-npu-exporter-names"]).npu_exporter_names is False
+    assert parse(["npu-exporter", "--npu-exporter-names=false"]).npu_exporter_names is False
+
+
+def test_serve_refuses_to_start_open_on_an_address_others_reach(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("MINERU_GATEWAY_"):
+            monkeypatch.delenv(name)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("mineru-gateway serve: no API keys, and 0.0.0.0 is reachable")
+    assert "MINERU_GATEWAY_ALLOW_NO_AUTH=true" in line
+    keys = tmp_path / "api-keys"
+    keys.write_text("k1\n")
+    allowed = [
+        ["--host", "127.0.0.1"],  # loopback: this host only
+        ["--host", "::1"],
+        ["--host", "0.0.0.0", "--allow-no-auth"],
+        ["--host", "0.0.0.0", "--api-keys", "k1"],
+        ["--host", "0.0.0.0", "--api-key-files", str(keys)],
+        ["--host", "0.0.0.0", "--tenants", '{"a": {"keys": ["k2"]}}'],
+    ]
+    for flags in allowed:
+        settings = settings_from_args(build_parser().parse_args(["serve", *flags]))
+        assert settings.open_access_refusal() is None, flags
+    monkeypatch.setenv("MINERU_GATEWAY_ALLOW_NO_AUTH", "true")
+    assert settings_from_args(
+        build_parser().parse_args(["serve", "--host", "0.0.0.0"])
+    ).allow_no_auth
+
+
+def test_serve_on_a_taken_port_is_one_line_and_exit_1() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "mineru_gateway", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"mineru-gateway serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
 
 
 def test_sim_serves_and_exits_0_on_sigterm() -> None:

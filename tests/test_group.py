@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -158,9 +160,107 @@ def test_cpu_workers_of_a_group_bind_disjoint_cores(tmp_path: Path) -> None:
     assert binds == ["0", "1"]
 
 
-def test_worker_logs_default_to_the_xdg_state_directory() -> None:
-    assert default_log_dir({"XDG_STATE_HOME": "/s"}) == Path("/s/mineru-gateway/logs")
-    assert default_log_dir({}) == Path.home() / ".local/state/mineru-gateway/logs"
+def test_worker_logs_default_to_a_directory_of_the_run_under_the_xdg_state_directory() -> None:
+    at = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
+    run = "20250304T050607Z-port30100"
+    assert default_log_dir({"XDG_STATE_HOME": "/s"}, 30100, at) == Path(
+        f"/s/mineru-gateway/logs/{run}"
+    )
+    assert default_log_dir({}, 30100, at) == Path.home() / f".local/state/mineru-gateway/logs/{run}"
+    assert default_log_dir({}, 30100) != default_log_dir({}, 30200)  # two checkouts, two runs
+
+
+def test_worker_ports_follow_the_gateways_unless_a_base_port_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MINERU_GATEWAY_WORKER_BASE_PORT", raising=False)
+    args = build_parser().parse_args(["up", "--port", "30100", "--workers", "2"])
+    options = group_options_from_args(args, environ={}, gateway_port=30100)
+    assert options.worker_urls() == ["http://127.0.0.1:30101", "http://127.0.0.1:30102"]
+    args = build_parser().parse_args(["up", "--workers", "2", "--worker-base-port", "31000"])
+    options = group_options_from_args(args, environ={}, gateway_port=30100)
+    assert options.worker_urls() == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    vllm = ["--engine", "vllm", "--model", "/m", "--vllm-python", sys.executable]
+    args = build_parser().parse_args(["up", "--workers", "2", *vllm])
+    options = group_options_from_args(args, environ={}, gateway_port=30100)
+    assert options.worker_urls() == ["http://127.0.0.1:30101", "http://127.0.0.1:30102"]
+    assert [spec.url for spec in options.specs({})] == options.worker_urls()
+    monkeypatch.setenv("MINERU_GATEWAY_WORKER_BASE_PORT", "32000")
+    args = build_parser().parse_args(["up", "--workers", "1"])
+    assert group_options_from_args(args, environ={}, gateway_port=30100).base_port == 32000
+
+
+def run_up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINERU_GATEWAY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "mineru_gateway", "up", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_a_taken_gateway_port_is_one_line_and_exit_1() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_up("--port", str(port), "--workers", "1")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"mineru-gateway up: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    )
+
+
+def test_a_taken_worker_port_is_one_line_and_exit_1() -> None:
+    base = free_port_block(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))  # worker-1's port: the gateway has base
+        taken.listen()
+        result = run_up("--port", str(base), "--workers", "2")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"mineru-gateway up: worker-1 cannot listen on 127.0.0.1:{base + 2}: Address already "
+        "in use (choose another --port, or --worker-base-port)\n"
+    )
+
+
+def model_dir(tmp_path: Path, name: str = "MinerU2.5-2509-1.2B") -> Path:
+    """A directory that passes for a downloaded model (what the launcher checks)."""
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+FAILING_VLLM = """#!/bin/sh
+echo "INFO loading the model"
+echo "ERROR the NPU driver is missing" >&2
+exit 3
+"""
+
+
+def test_a_worker_that_exits_at_once_stops_up_with_the_end_of_its_log(tmp_path: Path) -> None:
+    stand_in = tmp_path / "vllm-python"
+    stand_in.write_text(FAILING_VLLM)
+    stand_in.chmod(0o755)
+    port = free_port_block(2)
+    result = run_up(
+        *("--engine", "vllm", "--workers", "1", "--port", str(port)),
+        *("--model", str(model_dir(tmp_path)), "--vllm-python", str(stand_in)),
+        *("--restart-backoff-s", "0.1", "--log-dir", str(tmp_path / "logs")),
+        *("--log-format", "console"),
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("worker_restarting") == 2  # three starts, then it stops
+    message = result.stderr[result.stderr.index("mineru-gateway up:") :]
+    assert message == (
+        "mineru-gateway up: worker-0 could not start: exited with status 3 (3 starts in a row)\n"
+        f"last lines of {tmp_path / 'logs' / 'worker-0.log'}:\n"
+        "  INFO loading the model\n"
+        "  ERROR the NPU driver is missing\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -169,17 +269,14 @@ def test_worker_logs_default_to_the_xdg_state_directory() -> None:
         (["--engine", "vllm", "--model", "m", "--vllm-python", "/nonexistent"], "was not found"),
         (["--engine", "vllm", "--vllm-python", sys.executable], "a model is needed"),
         (["--workers", "0"], "--workers must be at least 1"),
+        (
+            ["--engine", "vllm", "--model", "/nonexistent/m", "--vllm-python", sys.executable],
+            "model directory /nonexistent/m does not exist",
+        ),
     ],
 )
 def test_up_refuses_inconsistent_options_with_exit_2(args: list[str], message: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MINERU_GATEWAY_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "mineru_gateway", "up", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    result = run_up("--port", "0", *args)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -396,7 +493,7 @@ def test_up_vllm_starts_each_worker_on_its_own_npu_and_serves_once_they_are_heal
     stand_in = tmp_path / "vllm-python"
     stand_in.write_text(STAND_IN.format(python=sys.executable, record_dir=str(record_dir), delay=3))
     stand_in.chmod(stand_in.stat().st_mode | stat.S_IXUSR)
-    model = "/models/MinerU2.5-2509-1.2B"
+    model = str(model_dir(tmp_path))
     up = Up(
         tmp_path,
         "--engine",
@@ -415,6 +512,8 @@ def test_up_vllm_starts_each_worker_on_its_own_npu_and_serves_once_they_are_heal
     # The gateway listens at once and says it is not ready until a worker is healthy.
     assert httpx.get(up.url + "/ready").status_code == 503
     up.wait_all_healthy(2)
+    # Refused while vLLM started; healthy now, with nothing left of that.
+    assert [w["last_error"] for w in up.workers()] == [None, None]
     assert [m["id"] for m in httpx.get(up.url + "/v1/models").json()["data"]] == [
         "MinerU2.5-2509-1.2B"
     ]

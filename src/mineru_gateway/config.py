@@ -10,6 +10,7 @@ hold is a `Credentials` snapshot, swapped whole (docs/usage.md, "Reloading keys 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
 import tomllib
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mineru_gateway.routing import RoutingPolicyName
@@ -28,6 +29,7 @@ DEFAULT_PORT = 30000  # the port MinerU's clients already use (docs/mineru-clien
 MIB = 1024 * 1024
 
 Platform = Literal["ascend", "cpu"]
+ModelSource = Literal["huggingface", "modelscope", "local"]
 DEFAULT_WORKER_BASE_PORT = 30001  # the gateway keeps 30000, the port MinerU's clients use
 DEFAULT_HCCL_BASE_PORT = 61000
 HCCL_PORT_STRIDE = 64
@@ -113,6 +115,15 @@ def read_credentials(settings: GatewaySettings) -> Credentials:
     return Credentials(configs, tenant_keys, client_keys, admin_keys)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whatever it resolves to, others may reach it
+        return False
+
+
 class GatewaySettings(BaseSettings):
     """Settings of one gateway process."""
 
@@ -137,13 +148,18 @@ class GatewaySettings(BaseSettings):
     worker_dns: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Worker URLs whose host name is resolved every dns_interval_s; each address "
-        "becomes a worker (a Kubernetes headless Service, say: http://mineru-workers:30001).",
+        "becomes a worker (a Kubernetes headless Service, say: http://mineru-worker:30001).",
     )
     dns_interval_s: float = Field(5.0, gt=0, description="Between two lookups of worker_dns.")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="When set, /v1/* requires `Authorization: Bearer <one of these>` (MinerU's "
         "client sends $MINERU_VL_API_KEY). Health, readiness and metrics stay open.",
+    )
+    allow_no_auth: bool = Field(
+        False,
+        description="Serve /v1/* without API keys on an address other than loopback (a trusted "
+        "network only). Without keys and without this, the gateway refuses to start there.",
     )
     worker_api_key: str | None = Field(
         None,
@@ -495,6 +511,19 @@ class GatewaySettings(BaseSettings):
         """The key files' and tenants file's current reading."""
         return self._credentials
 
+    def open_access_refusal(self) -> str | None:
+        """Why the gateway must not start: no client key at all on an address others reach,
+        without `allow_no_auth`; None when it may."""
+        credentials = self._credentials
+        keyed = credentials.client_keys or any(credentials.tenant_keys.values())
+        if keyed or self.allow_no_auth or _is_loopback(self.host):
+            return None
+        return (
+            f"no API keys, and {self.host} is reachable from other hosts: set "
+            "MINERU_GATEWAY_API_KEYS (or API_KEY_FILES, or tenants' keys), or "
+            "MINERU_GATEWAY_ALLOW_NO_AUTH=true on a trusted network"
+        )
+
     @property
     def tenant_keys(self) -> dict[str, tuple[str, ...]]:
         """Each named tenant's keys, its `keys` and the contents of its `key_files`."""
@@ -538,9 +567,20 @@ class LauncherSettings(BaseSettings):
     The gateway's own settings live in `config.GatewaySettings`; these only shape workers.
     """
 
-    model_config = SettingsConfigDict(env_prefix="MINERU_GATEWAY_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="MINERU_GATEWAY_", frozen=True, extra="ignore", populate_by_name=True
+    )
 
     model: str | None = Field(None, description="Model directory or hub id vLLM serves.")
+    model_source: ModelSource | None = Field(
+        None,
+        # MinerU's own variable is read too, as MinerU reads it.
+        validation_alias=AliasChoices("MINERU_GATEWAY_MODEL_SOURCE", "MINERU_MODEL_SOURCE"),
+        description="Where the weights come from: local (the model is a directory, which must "
+        "hold config.json; no network), huggingface (a hub id, downloaded) or modelscope (a "
+        "ModelScope id; also MINERU_MODEL_SOURCE, as MinerU reads it). Default: local for a "
+        "path, huggingface for an id.",
+    )
     served_model_name: str | None = Field(
         None, description="Name in /v1/models (default: the model directory's name)."
     )
@@ -563,6 +603,11 @@ class LauncherSettings(BaseSettings):
     mineru_logits_processor: bool | None = Field(
         None, description="Add MinerU's logits processor (default: when the model is MinerU)."
     )
+
+    @field_validator("model_source", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: Any) -> Any:
+        return None if value == "" else value  # `${MINERU_MODEL_SOURCE:-}` in a compose file
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LauncherSettings:

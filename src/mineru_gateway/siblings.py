@@ -14,9 +14,8 @@ requests arriving there are marked as a sibling's. Through those sockets a proce
   worker is forwarded to the siblings, or the processes would route differently;
 - reads the workers' `/metrics` once for all: the first process reads them every
   `load_interval_s` and the others take its readings (`readings`), so a worker's API server
-  serves one read per interval (0.8 ms of its CPU filtered, 7-8 ms for the whole page where it
-  cannot filter: benchmarks/results/scrape_cost.md)
-  however many processes there are. A reading carries the time it was taken (time.monotonic()
+  serves one read per interval however many processes there are (each read costs it CPU:
+  benchmarks/results/scrape_cost.md). A reading carries the time it was taken (time.monotonic()
   is one clock for the whole host), so it ages the same in every process; while the first
   process restarts, the others' figures age and they route on their own counts.
 """
@@ -46,8 +45,8 @@ from mineru_gateway.workers.group_load import (
     GroupTenants,
     QueueHeads,
 )
-from mineru_gateway.workers.registry import Scrape
 from mineru_gateway.workers.vllm_metrics import VllmLoad
+from mineru_gateway.workers.worker import Scrape
 
 log = structlog.get_logger("mineru_gateway.siblings")
 
@@ -113,9 +112,9 @@ def merge_expositions(texts: Sequence[str]) -> bytes:
 class Doorbell:
     """A datagram socket per process, in the siblings' directory. A process that leaves room
     for a more urgent request waiting in another rings that one, whose queue then looks at
-    once rather than at its next `SIBLING_POLL_S` (dispatcher.py): the room stands empty for
-    the time a datagram takes, not up to 20 ms. A ring that gets lost (the other process is
-    restarting, its socket's buffer is full) costs only that wait."""
+    once rather than at its next `SIBLING_POLL_S` (workers/coordination.py): the room stands
+    empty for the time a datagram takes, not a whole poll. A ring that gets lost (the other
+    process is restarting, its socket's buffer is full) costs only that wait."""
 
     def __init__(self, paths: Sequence[Path], index: int) -> None:
         self._paths = [str(path) for path in paths]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import ExitStack
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from mineru_gateway.config import GatewaySettings
 from mineru_gateway.entry.cli import main
 from tests.conftest import StartGateway, StartSim
 from tests.support.servers import serve
-from tests.support.workers import Script
+from tests.support.workers import Script, scripted_worker
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -238,3 +239,31 @@ def test_the_workers_command_drains_lists_and_undrains(
     assert (status, json.loads(out)["error"]["code"]) == (1, "not_supervised")
     assert main(["workers", "--gateway", gateway, "drain", worker]) == 1  # no admin key
     assert main(["workers", "--gateway", "http://127.0.0.1:9", "list"]) == 2  # nobody there
+
+
+def test_a_model_whose_workers_are_all_ejected_gets_503_and_one_never_served_404(
+    scripted: tuple[Script, str], servers: ExitStack, start_gateway: StartGateway
+) -> None:
+    """The only worker serving a model fails and is ejected while another worker serves
+    another model: the model exists, it has no healthy worker now (503 with Retry-After, as
+    when no worker at all is healthy). A model no worker was ever seen serving stays 404."""
+    script, echo = scripted
+    other = servers.enter_context(serve(scripted_worker(Script(model="other-model"))))
+    # No probe in the test's time: the worker stays out once ejected.
+    gateway = start_gateway([echo, other], eject_after=1, health_interval_s=60)
+    script.mode = "status"  # the worker answers 500: one failure ejects it
+    assert httpx.post(gateway + CHAT, json=BODY).status_code == 500
+    states = {w["url"]: w["state"] for w in httpx.get(gateway + "/v1/workers").json()["workers"]}
+    assert states == {echo: "unhealthy", other: "healthy"}
+
+    unavailable = httpx.post(gateway + CHAT, json=BODY)
+    assert unavailable.status_code == 503
+    error = unavailable.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "no_healthy_worker")
+    assert "echo-model" in error["message"]
+    assert int(unavailable.headers["retry-after"]) >= 1
+
+    never = httpx.post(gateway + CHAT, json=BODY | {"model": "never-served"})
+    assert never.status_code == 404
+    assert never.json()["error"]["code"] == "model_not_found"
+    assert "retry-after" not in never.headers

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ import pytest
 import yaml
 
 from mineru_gateway.config import GatewaySettings
-from mineru_gateway.entry.cli import build_parser, main
+from mineru_gateway.entry.cli import build_parser, main, settings_from_args
 from mineru_gateway.entry.compose import (
     ATLAS_800T_A2_NPUS,
+    METRICS_PORT,
     TARGETS_FILE,
     TUNING_DEFAULTS,
     VLLM_ASCEND_IMAGE,
@@ -145,8 +147,13 @@ def test_the_gateway_and_prometheus_list_every_worker(
         monkeypatch.setenv(name, value)
     settings = GatewaySettings()  # the environment is valid settings: empty keys included
     assert settings.workers == urls and settings.npu_smi == "off" and not settings.client_keys
-    build_parser().parse_args(gateway["command"][1:])  # flags the CLI accepts
+    args = build_parser().parse_args(gateway["command"][1:])  # flags the CLI accepts
     assert "--port=30000" in gateway["command"]
+    # Without keys (the example's empty API_KEYS) the gateway refuses to serve on 0.0.0.0.
+    assert settings_from_args(args).open_access_refusal() is not None
+    # /metrics on its own listener, not published on the host, where Prometheus scrapes it.
+    assert settings.metrics_port == METRICS_PORT
+    assert all(str(METRICS_PORT) not in port for port in gateway["ports"])
     [targets] = yaml.safe_load((PROMETHEUS_YML.parent / "targets/workers.yml").read_text())
     assert ["http://" + target for target in targets["targets"]] == urls
     scraped = yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]
@@ -154,7 +161,7 @@ def test_the_gateway_and_prometheus_list_every_worker(
     assert vllm["file_sd_configs"] == [
         {"files": [str(TARGETS_FILE.relative_to("deploy/prometheus"))]}
     ]
-    assert "gateway:30000" in PROMETHEUS_YML.read_text()
+    assert f"gateway:{METRICS_PORT}" in PROMETHEUS_YML.read_text()
     assert "npu-exporter:8083" in PROMETHEUS_YML.read_text()
 
 
@@ -202,6 +209,35 @@ def test_env_example_lists_every_variable_with_its_default(compose: dict[str, An
     # With the example's values and a password, Compose reads exactly the defaults.
     example = compose_config(COMPOSE_FILE, PASSWORD, "--env-file", str(ENV_EXAMPLE))
     assert parsed(example) == compose
+
+
+def test_make_env_writes_a_dot_env_with_generated_keys_that_the_gateway_serves_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shutil.copy(ENV_EXAMPLE, tmp_path / ".env.example")
+    shutil.copy(COMPOSE_FILE, tmp_path / "docker-compose.yml")
+    make_env = [sys.executable, str(ROOT / "scripts" / "make-env.py"), "--dir", str(tmp_path)]
+    result = subprocess.run(make_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    written = dict(_SETTING.findall((tmp_path / ".env").read_text()))
+    assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
+    assert result.stdout.endswith(f"client API key {written['API_KEYS']}\n")
+    generated = ("API_KEYS", "ADMIN_KEYS", "GRAFANA_ADMIN_PASSWORD")
+    secrets = [written.pop(name) for name in generated]
+    assert all(len(secret) >= 24 for secret in secrets) and len(set(secrets)) == 3
+    example = dict(_SETTING.findall(ENV_EXAMPLE.read_text()))
+    assert written == {k: v for k, v in example.items() if k not in generated}  # the rest as is
+    written |= dict(zip(generated, secrets, strict=True))
+    gateway = parsed(compose_config(tmp_path / "docker-compose.yml", {}))["services"]["gateway"]
+    for name, value in gateway["environment"].items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(gateway["command"][1:])
+    settings = settings_from_args(args)
+    assert settings.client_keys == (written["API_KEYS"],)
+    assert settings.open_access_refusal() is None  # serves, with its key
+    again = subprocess.run(make_env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "--force" in again.stderr  # never replaces keys silently
+    assert dict(_SETTING.findall((tmp_path / ".env").read_text())) == written
 
 
 def test_the_npu_list_in_env_picks_the_workers(tmp_path: Path) -> None:

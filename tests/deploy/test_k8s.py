@@ -10,6 +10,7 @@ namespace, images) and refuses any other field, so a new one cannot be ignored s
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from benchmarks.dashboard_snapshot import Prometheus
 from benchmarks.observability_demo import PrometheusServer
 
 from mineru_gateway import __version__
-from mineru_gateway.entry.cli import build_parser
+from mineru_gateway.entry.cli import build_parser, settings_from_args
 from mineru_gateway.testing import free_port, wait_until
 from mineru_gateway.workers.launcher import VllmOptions, build_vllm_command
 from tests.deploy import operator_rules
@@ -34,6 +35,7 @@ from tests.deploy.worker_image import DOCKER_DIR, command_in, image_env, use_wor
 K8S = ROOT / "deploy" / "k8s"
 OPERATOR = K8S / "monitoring" / "operator"
 PLAIN_CONFIG = K8S / "monitoring" / "prometheus" / "prometheus.yml"
+KEYS_SECRET = K8S / "examples" / "gateway-keys-secret.yaml"
 KUBERNETES_VERSION = "1.28"  # the oldest still maintained by most distributions' LTS
 NAMESPACED_NOT = {"Namespace"}
 _KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
@@ -186,6 +188,62 @@ def test_the_gateway_deployment_serves_with_readiness_on_ready() -> None:
     service = one("Service", "mineru-gateway")
     assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
     assert service["spec"]["ports"][0]["port"] == 30000
+
+
+def test_the_example_secret_is_valid_and_outside_the_kustomization() -> None:
+    secret = yaml.safe_load(KEYS_SECRET.read_text())
+    kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
+    assert secret["metadata"]["namespace"] == "mineru"
+    assert all(doc["kind"] != "Secret" for doc in kustomize(K8S))  # no placeholder goes live
+
+
+def key_files(tmp_path: Path) -> dict[str, str]:
+    """The gateway container's environment with its Secret's files as the kubelet mounts them
+    (the example Secret's values), under `tmp_path`."""
+    deployment = one("Deployment", "mineru-gateway")
+    spec = container(deployment)
+    [volume] = deployment["spec"]["template"]["spec"]["volumes"]
+    secret = yaml.safe_load(KEYS_SECRET.read_text())
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    [mount] = [m for m in spec["volumeMounts"] if m["name"] == volume["name"]]
+    for name, value in secret["stringData"].items():
+        (tmp_path / name).write_text(value)
+    env = {item["name"]: item["value"] for item in spec["env"]}
+    for name in ("MINERU_GATEWAY_API_KEY_FILES", "MINERU_GATEWAY_ADMIN_KEY_FILES"):
+        path = Path(env[name])
+        assert path.parent == Path(mount["mountPath"]) and path.name in secret["stringData"]
+        env[name] = str(tmp_path / path.name)
+    return env
+
+
+def test_the_gateway_takes_its_keys_from_the_secret_and_refuses_to_start_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("MINERU_GATEWAY_"):
+            monkeypatch.delenv(name)
+    for name, value in key_files(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    spec = container(one("Deployment", "mineru-gateway"))
+    settings = settings_from_args(build_parser().parse_args(spec["args"][1:]))
+    assert settings.client_keys == ("REPLACE-with-a-generated-client-key",)
+    assert settings.all_admin_keys == ("REPLACE-with-a-generated-admin-key",)
+    assert settings.open_access_refusal() is None
+    (tmp_path / "api-keys").write_text("")  # a Secret with no client key
+    settings = settings_from_args(build_parser().parse_args(spec["args"][1:]))
+    assert settings.open_access_refusal() is not None
+
+
+def test_every_worker_mounts_the_model_from_one_claim() -> None:
+    pod = one("StatefulSet", "mineru-worker")["spec"]["template"]["spec"]
+    [models] = [volume for volume in pod["volumes"] if volume["name"] == "models"]
+    assert "hostPath" not in models
+    claim = one("PersistentVolumeClaim", models["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert models["persistentVolumeClaim"]["readOnly"] is True
+    [mount] = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "models"]
+    args = build_parser().parse_args(pod["containers"][0]["args"][1:])
+    assert Path(args.model).parent == Path(mount["mountPath"])
 
 
 def test_two_gateways_on_different_nodes_and_budgets_for_both_workloads() -> None:

@@ -16,8 +16,8 @@ from mineru_gateway.errors import ModelNotFound, NoHealthyWorker, Overloaded, Sh
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import LeastInflight, WorkerView
 from mineru_gateway.siblings import Doorbell, Siblings
-from mineru_gateway.workers import dispatcher as dispatcher_module
-from mineru_gateway.workers.dispatcher import HEAD_FRESH_S, Admission, Dispatcher, Grant
+from mineru_gateway.workers.coordination import HEAD_FRESH_S, SIBLING_POLL_S, Shared
+from mineru_gateway.workers.dispatcher import Admission, Dispatcher, Grant
 from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants, QueueHeads
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
@@ -146,7 +146,7 @@ async def test_queued_requests_get_503_when_no_worker_is_healthy() -> None:
     waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
     await settle()
     worker = dispatcher.registry.workers[0]
-    dispatcher.registry._set_health(worker, False, "gone")
+    dispatcher.registry.checks.set_health(worker, False, "gone")
     await settle()
     assert isinstance(waiting.exception(), NoHealthyWorker)
     with pytest.raises(NoHealthyWorker):
@@ -216,6 +216,27 @@ async def test_queued_requests_for_a_model_no_worker_serves_any_more_get_404() -
     assert dispatcher.queue.is_idle()
 
 
+async def test_queued_requests_for_a_model_whose_workers_are_ejected_get_503() -> None:
+    """The model is still known (its worker is a member, out of routing for now): the
+    requests may come back later, unlike those for a model no member serves."""
+    dispatcher = fleet("http://w0", "http://w1", batch=1)
+    w0, w1 = dispatcher.registry.workers
+    w1.models = {"other": {"id": "other"}}
+    holder = await dispatcher.acquire(ask())
+    waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
+    await settle()
+    dispatcher.registry.checks.set_health(w0, False, "gone")  # w1 alone is healthy
+    holder.release()
+    await settle()
+    error = waiting.exception()
+    assert isinstance(error, NoHealthyWorker) and error.retry_after_s is not None
+    assert dispatcher.queue.is_idle()
+    with pytest.raises(NoHealthyWorker):
+        await dispatcher.acquire(ask())
+    with pytest.raises(ModelNotFound):
+        await dispatcher.acquire(ask(model="never-served"))
+
+
 class LockProbe:
     """A routing policy that notes, at each choice, whether the processes' table is locked
     (another open file of it cannot take the lock), then picks the least loaded."""
@@ -256,7 +277,9 @@ async def test_with_sibling_processes_every_decision_holds_the_table(tmp_path: P
     )
     for worker in registry.workers:
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
-    dispatcher = Dispatcher(registry, FairQueue(), RoomPolicy(headroom=0.0, min_headroom=0))
+    coordination = Shared(group, QueueHeads(tmp_path / "heads", 2, 0), ring=lambda index: None)
+    room = RoomPolicy(headroom=0.0, min_headroom=0)
+    dispatcher = Dispatcher(registry, FairQueue(), room, coordination=coordination)
     first = await dispatcher.acquire(ask())  # at once
     second = await dispatcher.acquire(ask())
     queued = asyncio.ensure_future(dispatcher.acquire(ask()))
@@ -279,16 +302,20 @@ async def test_a_waiting_queue_takes_room_a_sibling_process_left_without_an_even
     reading (none come here: no reads, no requests of its own)."""
 
     def process(index: int) -> Dispatcher:
+        table = GroupLoad(tmp_path / "t", 2, index)
         registry = WorkerRegistry(
             ["http://w0"],
             UpstreamClient(Timeouts(1, 1, 1)),
             LeastInflight(),
             batch_limit=1,
-            group=GroupLoad(tmp_path / "t", 2, index),
+            group=table,
         )
         worker = registry.workers[0]
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
-        return Dispatcher(registry, FairQueue(), RoomPolicy(headroom=0.0, min_headroom=0))
+        heads = QueueHeads(tmp_path / "heads", 2, index)
+        coordination = Shared(table, heads, ring=lambda index: None)  # no rings: only looks
+        room = RoomPolicy(headroom=0.0, min_headroom=0)
+        return Dispatcher(registry, FairQueue(), room, coordination=coordination)
 
     first, second = process(0), process(1)
     held = await first.acquire(ask())
@@ -310,17 +337,24 @@ def doorbells() -> Iterator[list[Doorbell]]:
 
 
 def sibling(
-    tmp_path: Path, doorbells: list[Doorbell], index: int, *, batch: int, count: int = 2
+    tmp_path: Path,
+    doorbells: list[Doorbell],
+    index: int,
+    *,
+    batch: int,
+    count: int = 2,
+    poll_s: float = SIBLING_POLL_S,
 ) -> Dispatcher:
     """Process `index` of `count` gateway processes over one worker, sharing what
     `serve --processes N` shares: the workers' and tenants' counts, the queue heads and the
     doorbells."""
+    table = GroupLoad(tmp_path / "workers", count, index)
     registry = WorkerRegistry(
         ["http://w0"],
         UpstreamClient(Timeouts(1, 1, 1)),
         LeastInflight(),
         batch_limit=batch,
-        group=GroupLoad(tmp_path / "workers", count, index),
+        group=table,
     )
     worker = registry.workers[0]
     worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
@@ -331,15 +365,18 @@ def sibling(
         registry,
         FairQueue(elsewhere=tenants),
         RoomPolicy(headroom=0.0, min_headroom=0),
-        heads=QueueHeads(tmp_path / "heads", count, index, tenants),
-        ring=doorbell.ring,
+        coordination=Shared(
+            table, QueueHeads(tmp_path / "heads", count, index, tenants), doorbell.ring, poll_s
+        ),
     )
     doorbell.listen(dispatcher.pump)
     return dispatcher
 
 
-def pair(tmp_path: Path, doorbells: list[Doorbell], *, batch: int) -> list[Dispatcher]:
-    return [sibling(tmp_path, doorbells, index, batch=batch) for index in range(2)]
+def pair(
+    tmp_path: Path, doorbells: list[Doorbell], *, batch: int, poll_s: float = SIBLING_POLL_S
+) -> list[Dispatcher]:
+    return [sibling(tmp_path, doorbells, index, batch=batch, poll_s=poll_s) for index in range(2)]
 
 
 async def test_room_goes_to_the_most_urgent_request_of_any_process(
@@ -457,12 +494,11 @@ async def test_room_is_not_left_for_long_to_a_process_that_does_not_take_it(
 
 
 async def test_room_a_process_has_no_request_for_is_rung_over_to_a_waiting_sibling(
-    tmp_path: Path, doorbells: list[Doorbell], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
     """With its look at the table taken out (a 10 s poll), the second process's request is
     served when the first one's request ends only because the first rings it."""
-    monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)
-    first, second = pair(tmp_path, doorbells, batch=1)
+    first, second = pair(tmp_path, doorbells, batch=1, poll_s=10.0)
     held = await first.acquire(ask(A))
     waiting = asyncio.ensure_future(second.acquire(ask(B)))
     await settle()
@@ -473,14 +509,13 @@ async def test_room_a_process_has_no_request_for_is_rung_over_to_a_waiting_sibli
 
 
 async def test_a_process_holding_no_room_is_not_starved_by_one_that_holds_it_all(
-    tmp_path: Path, doorbells: list[Doorbell], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, doorbells: list[Doorbell]
 ) -> None:
     """The same tenant queues in both processes; the first holds the worker's only slot and
     would refill it from its own queue at every release. The request that has waited longer,
-    in the second process, goes first (before, the second process got room only when the
-    first's queue ran dry: B waited for the whole of A's batch)."""
-    monkeypatch.setattr(dispatcher_module, "SIBLING_POLL_S", 10.0)  # only rings wake a queue
-    first, second = pair(tmp_path, doorbells, batch=1)
+    in the second process, goes first: it is not left waiting until the first's queue runs
+    dry."""
+    first, second = pair(tmp_path, doorbells, batch=1, poll_s=10.0)  # only rings wake a queue
     held = await first.acquire(ask(A))
     older = asyncio.ensure_future(second.acquire(ask(A)))
     await asyncio.sleep(0.01)

@@ -212,6 +212,7 @@ def test_recommended_environment_defers_to_the_callers_but_device_and_ports_do_n
         "TASK_QUEUE_ENABLE": "2",
         "CPU_AFFINITY_CONF": "1",
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "HF_HUB_OFFLINE": "1",  # a local model: no network
     }
 
 
@@ -232,7 +233,11 @@ def test_cpu_workers_bind_their_own_cores_instead_of_a_device(
     device: int, bind: str | None, expected: str
 ) -> None:
     command = build_vllm_command(device, CPU, cpu_bind=bind)
-    assert command.env == {"VLLM_CPU_OMP_THREADS_BIND": expected, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert command.env == {
+        "VLLM_CPU_OMP_THREADS_BIND": expected,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
     argv = command.argv
     assert flag_value(argv, "dtype") == "float32"
     assert flag_value(argv, "max-model-len") == "2048"
@@ -369,8 +374,11 @@ def test_worker_becomes_vllm_with_its_arguments_and_environment(tmp_path: Path) 
         'echo "bind=$VLLM_CPU_OMP_THREADS_BIND venv=${VIRTUAL_ENV-unset}"\nexit 7\n'
     )
     fake_python.chmod(fake_python.stat().st_mode | stat.S_IXUSR)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     argv = [sys.executable, "-m", "mineru_gateway", "worker", "--device", "1", "--platform"]
-    argv += ["cpu", "--model", "/m", "--vllm-python", str(fake_python), "--", "--seed", "3"]
+    argv += ["cpu", "--model", str(model), "--vllm-python", str(fake_python), "--", "--seed", "3"]
     env = dict(os.environ, VIRTUAL_ENV="/somewhere")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     out, _ = proc.communicate(timeout=60)
@@ -379,10 +387,53 @@ def test_worker_becomes_vllm_with_its_arguments_and_environment(tmp_path: Path) 
     assert lines[0] == f"pid={proc.pid}"  # exec: vLLM is the launched process itself
     args = tuple(line.removeprefix("arg=") for line in lines if line.startswith("arg="))
     expected = build_vllm_command(
-        1, VllmOptions("/m", str(fake_python), "cpu", extra_args=("--seed", "3"))
+        1, VllmOptions(str(model), str(fake_python), "cpu", extra_args=("--seed", "3"))
     )
     assert (str(fake_python), *args) == expected.argv
     assert lines[-1] == "bind=1 venv=unset"
+
+
+@pytest.mark.parametrize(
+    ("model", "source", "env"),
+    [
+        (MINERU, None, {"HF_HUB_OFFLINE": "1"}),  # a path: local, offline
+        ("opendatalab/MinerU2.5-2509-1.2B", None, {"HF_HUB_OFFLINE": "0"}),  # an id: the hub
+        (MINERU, "huggingface", {"HF_HUB_OFFLINE": "0"}),
+        ("OpenDataLab/MinerU2.5-2509-1.2B", "modelscope", {"VLLM_USE_MODELSCOPE": "True"}),
+    ],
+)
+def test_the_model_source_sets_where_vllm_takes_the_weights_from(
+    model: str, source: str | None, env: dict[str, str]
+) -> None:
+    environ = {"HF_HUB_OFFLINE": "1"}  # as an image or a compose file might set it
+    options = VllmOptions(model, "python3", model_source=source)  # type: ignore[arg-type]
+    command = build_vllm_command(0, options, environ=environ)
+    assert env.items() <= command.env.items()
+    assert flag_value(command.argv, "model") == model
+
+
+@pytest.mark.parametrize("variable", ["MINERU_MODEL_SOURCE", "MINERU_GATEWAY_MODEL_SOURCE"])
+def test_the_model_source_is_read_from_minerus_variable_too(variable: str) -> None:
+    env = {variable: "modelscope", "MINERU_GATEWAY_MODEL": "OpenDataLab/MinerU2.5-2509-1.2B"}
+    result = run_cli("worker", "--device", "0", "--dry-run", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "VLLM_USE_MODELSCOPE=True" in result.stdout
+
+
+def test_a_local_model_that_is_not_there_is_refused_at_once_naming_the_path(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "MinerU2.5-2509-1.2B"
+    result = run_cli("worker", "--device", "0", "--model", str(missing))
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"mineru-gateway worker: model directory {missing} does not exist (model source local)\n"
+    )
+    missing.mkdir()  # a directory, but no model in it
+    result = run_cli("worker", "--device", "0", "--model", str(missing))
+    assert result.returncode == 2
+    assert f"model directory {missing} has no config.json" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize(

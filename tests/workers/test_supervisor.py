@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -109,6 +111,7 @@ def test_backoff_doubles_up_to_the_cap(failures: int, delay: float) -> None:
         ({"unhealthy_after": 0}, "unhealthy_after"),
         ({"health_timeout_s": 0}, "health_timeout_s must be positive"),
         ({"backoff_s": 5, "backoff_cap_s": 1}, "backoff_s <= backoff_cap_s"),
+        ({"give_up_after": 0}, "give_up_after must be at least 1"),
     ],
 )
 def test_invalid_policies_are_refused(fields: dict[str, float], message: str) -> None:
@@ -208,7 +211,7 @@ async def test_a_hung_worker_is_killed_and_restarted(supervise: Callable[..., Ru
 async def test_restarts_back_off_exponentially_up_to_the_cap(
     supervise: Callable[..., Running],
 ) -> None:
-    policy = replace(FAST, backoff_s=0.1, backoff_cap_s=0.4)
+    policy = replace(FAST, backoff_s=0.1, backoff_cap_s=0.4, give_up_after=100)
     running = supervise([script_spec("crashy", "raise SystemExit(3)")], policy)
     began = time.monotonic()
     await running.supervisor.start()
@@ -240,11 +243,62 @@ async def test_a_worker_that_cannot_be_started_is_retried(
     supervise: Callable[..., Running], tmp_path: Path
 ) -> None:
     spec = WorkerSpec("missing", [str(tmp_path / "no-such-python")], "http://127.0.0.1:9")
-    running = supervise([spec])
+    running = supervise([spec], replace(FAST, give_up_after=2))
     await running.supervisor.start()
     worker = running.workers[0]
     await wait_until_async(lambda: worker.starts >= 2, 10, "a second attempt")
     assert worker.last_reason is not None and worker.last_reason.startswith("could not start")
+    failure = await asyncio.wait_for(running.supervisor.wait_failed(), 10)
+    assert failure.reason.startswith("could not start") and "2 starts in a row" in failure.reason
+    assert worker.starts == 2
+
+
+async def test_a_worker_exiting_at_once_repeatedly_fails_with_the_end_of_its_log(
+    supervise: Callable[..., Running], tmp_path: Path
+) -> None:
+    code = "import sys; print('loading'); print('no model at /nowhere', file=sys.stderr); exit(3)"
+    running = supervise([script_spec("worker-0", code)], log_dir=tmp_path)
+    await running.supervisor.start()
+    failure = await asyncio.wait_for(running.supervisor.wait_failed(), 20)
+    worker = running.workers[0]
+    assert failure.worker == "worker-0" and failure.log == tmp_path / "worker-0.log"
+    assert failure.reason == "exited with status 3 (3 starts in a row)"
+    assert failure.last_lines == ("loading", "no model at /nowhere")  # the last start's only
+    await asyncio.sleep(FAST.backoff_cap_s + 0.5)
+    assert worker.starts == 3 and worker.state == "stopped"  # no fourth start
+
+
+async def test_a_worker_whose_port_is_taken_fails_at_its_first_exit(
+    supervise: Callable[..., Running], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = build_sim_command(0, base_port=port)
+        spec = WorkerSpec("worker-0", command.argv, command.url())
+        running = supervise([spec], replace(FAST, give_up_after=5), log_dir=tmp_path)
+        await running.supervisor.start()
+        failure = await asyncio.wait_for(running.supervisor.wait_failed(), 30)
+    assert running.workers[0].starts == 1
+    assert failure.reason.endswith(f"(port of http://127.0.0.1:{port} in use)")
+    assert any("address already in use" in line for line in failure.last_lines)
+
+
+async def test_a_worker_healthy_once_is_restarted_however_often_it_dies(
+    supervise: Callable[..., Running],
+) -> None:
+    running = supervise([sim_spec("worker-0")], replace(FAST, give_up_after=1))
+    await running.supervisor.start()
+    worker = running.workers[0]
+    for restarts in (1, 2):
+        await running.ready()
+        assert worker.pid is not None
+        running.groups.add(worker.pid)
+        os.killpg(worker.pid, signal.SIGKILL)
+        await wait_until_async(lambda: worker.restarts == restarts, 10, "restarted")  # noqa: B023
+    await running.ready()
+    assert running.supervisor.failure is None
 
 
 async def test_stop_ends_the_whole_process_group_even_children_that_ignore_sigterm(
@@ -280,3 +334,23 @@ async def test_worker_output_goes_to_its_file_and_prefixed_to_the_terminal(
     assert terminal.getvalue() == b"[w-1] hello\n[w-1] world\n"
     log = (tmp_path / "w-1.log").read_text()
     assert log.splitlines()[1:] == ["hello", "world"]
+
+
+async def test_worker_output_on_the_terminal_is_json_events_with_json_output(
+    supervise: Callable[..., Running], tmp_path: Path
+) -> None:
+    code = "print('hello', flush=True); import time; time.sleep(60)"
+    terminal = io.BytesIO()
+    running = supervise(
+        [script_spec("w-1", code)],
+        log_dir=tmp_path,
+        log_to_terminal=True,
+        terminal=terminal,
+        json_output=True,
+    )
+    await running.supervisor.start()
+    await wait_until_async(lambda: b"hello" in terminal.getvalue(), 20, "output on the terminal")
+    await running.supervisor.stop()
+    [event] = [json.loads(line) for line in terminal.getvalue().splitlines()]
+    assert (event["event"], event["worker"], event["line"]) == ("worker_output", "w-1", "hello")
+    assert (tmp_path / "w-1.log").read_text().splitlines()[1:] == ["hello"]

@@ -17,7 +17,14 @@ from mineru_gateway.entry import server
 from mineru_gateway.entry.admin import __doc__ as ADMIN_DESCRIPTION
 from mineru_gateway.entry.admin import add_admin_arguments, run_admin
 from mineru_gateway.entry.compose import add_compose_arguments, run_compose
-from mineru_gateway.entry.group import add_group_arguments, group_options_from_args, run_group
+from mineru_gateway.entry.flags import HelpFormatter, Switch
+from mineru_gateway.entry.group import (
+    add_group_arguments,
+    bind_gateway,
+    group_options_from_args,
+    run_group,
+    worker_port_taken,
+)
 from mineru_gateway.entry.logs import configure_logging
 from mineru_gateway.entry.processes import run_gateway, run_processes
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
@@ -27,7 +34,12 @@ from mineru_gateway.telemetry import (
     create_exporter_app,
     parse_device_workers,
 )
-from mineru_gateway.workers.launcher import WORKER_DESCRIPTION, add_worker_arguments, run_worker
+from mineru_gateway.workers.launcher import (
+    WORKER_DESCRIPTION,
+    add_worker_arguments,
+    check_model,
+    run_worker,
+)
 
 log = structlog.get_logger("mineru_gateway.cli")
 
@@ -44,7 +56,11 @@ def _add_settings_arguments(parser: argparse.ArgumentParser, skip: Sequence[str]
         default = field.get_default(call_default_factory=True)
         shown = ",".join(default) if isinstance(default, list) else default
         help_text = f"{field.description or ''} [env {env}; default {shown}]"
-        group.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=help_text)
+        flag = f"--{name.replace('_', '-')}"
+        if field.annotation is bool:
+            group.add_argument(flag, dest=name, action=Switch, default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, default=None, help=help_text)
 
 
 def settings_from_args(args: argparse.Namespace, **overrides: Any) -> GatewaySettings:
@@ -64,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the gateway in front of running workers")
+    serve = commands.add_parser(
+        "serve", help="run the gateway in front of running workers", formatter_class=HelpFormatter
+    )
     _add_settings_arguments(serve)
     serve.set_defaults(handler=_serve)
 
@@ -75,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_arguments(sim)
     sim.set_defaults(handler=_sim)
 
-    up = commands.add_parser("up", help="start N workers and the gateway as one supervised group")
+    up = commands.add_parser(
+        "up",
+        help="start N workers and the gateway as one supervised group",
+        formatter_class=HelpFormatter,
+    )
     add_group_arguments(up)
     _add_settings_arguments(up, skip=("workers", "processes"))
     up.set_defaults(handler=_up)
@@ -101,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporter = commands.add_parser(
         "npu-exporter",
         help="export npu-smi readings on /metrics (for hosts where the gateway does not run)",
+        formatter_class=HelpFormatter,
     )
     exporter.add_argument("--host", default="0.0.0.0")
     exporter.add_argument("--port", type=int, default=DEFAULT_EXPORTER_PORT)
@@ -109,9 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exporter.add_argument(
         "--npu-exporter-names",
-        type=_boolean,
+        action=Switch,
         default=True,
-        metavar="true|false",
         help="also export Ascend npu-exporter's names (npu_chip_info_*): false where Ascend's "
         "exporter runs on the same host, or each chip counts twice (default true)",
     )
@@ -134,20 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _boolean(text: str) -> bool:
-    """A flag's value as Compose or Kubernetes pass a variable: true/false, yes/no, 1/0."""
-    value = text.strip().lower()
-    if value not in ("true", "false", "yes", "no", "1", "0"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value in ("true", "yes", "1")
+def _refused(command: str, settings: GatewaySettings) -> bool:
+    """Says on stderr, in one line, why these settings must not serve; True if so."""
+    problem = settings.open_access_refusal()
+    if problem is not None:
+        print(f"mineru-gateway {command}: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def _serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if _refused("serve", settings):
+        return 2
     configure_logging(settings.log_level, settings.log_format)
     if settings.processes > 1:
         return run_processes(settings)
-    run_gateway(settings)
+    try:  # bound here, so a taken port is one line, not uvicorn's log and exit
+        sock = bind_gateway(settings.host, settings.port)
+    except OSError as error:
+        where = f"{settings.host}:{settings.port}"
+        print(f"mineru-gateway serve: cannot listen on {where}: {error.strerror}", file=sys.stderr)
+        return 1
+    with sock:
+        run_gateway(settings, sockets=[sock])
     return 0
 
 
@@ -179,12 +210,7 @@ def _npu_exporter(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    try:
-        group = group_options_from_args(args)
-    except ValueError as error:
-        print(f"mineru-gateway up: {error}", file=sys.stderr)
-        return 2
-    settings = settings_from_args(args, workers=group.worker_urls())
+    settings = settings_from_args(args, workers=[])
     if settings.processes > 1:
         print(
             "mineru-gateway up: one gateway process only (MINERU_GATEWAY_PROCESSES is for "
@@ -192,10 +218,35 @@ def _up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if settings.batch_limit is None:  # the group knows its workers' batch: no need to learn it
-        settings = settings.model_copy(update={"batch_limit": group.batch_limit()})
-    configure_logging(settings.log_level, settings.log_format)
-    return run_group(settings, group)
+    if args.engine == "sim" and "allow_no_auth" not in settings.model_fields_set:
+        # The embedded default: simulated workers, nothing behind them to protect.
+        settings = settings.model_copy(update={"allow_no_auth": True})
+    if _refused("up", settings):
+        return 2
+    try:
+        sock = bind_gateway(settings.host, settings.port)
+    except OSError as error:
+        where = f"{settings.host}:{settings.port}"
+        print(f"mineru-gateway up: cannot listen on {where}: {error.strerror}", file=sys.stderr)
+        return 1
+    with sock:
+        port = sock.getsockname()[1]
+        try:
+            group = group_options_from_args(args, gateway_port=port)
+            check_model(group.vllm)
+        except ValueError as error:
+            print(f"mineru-gateway up: {error}", file=sys.stderr)
+            return 2
+        problem = worker_port_taken(group)
+        if problem is not None:
+            print(f"mineru-gateway up: {problem}", file=sys.stderr)
+            return 1
+        update: dict[str, object] = {"workers": group.worker_urls(), "port": port}
+        if settings.batch_limit is None:  # the group knows its workers' batch
+            update["batch_limit"] = group.batch_limit()
+        settings = settings.model_copy(update=update)
+        configure_logging(settings.log_level, settings.log_format)
+        return run_group(settings, group, sock)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,10 @@ COMPOSE_FILE = Path("docker-compose.yml")
 TARGETS_FILE = Path("deploy/prometheus/targets/workers.yml")
 ENV_FILE = Path(".env")
 EXPORTER_PORT = 8083
+# The gateway's /metrics listener (config.py's metrics_port): on the compose network only, where
+# Prometheus scrapes it (deploy/prometheus/prometheus.yml names it); tenants on the client port
+# cannot read it.
+METRICS_PORT = 9464
 # The base image MinerU's own NPU Dockerfile uses; what it carries: docs/vllm-ascend.md.
 VLLM_ASCEND_IMAGE = "quay.io/ascend/vllm-ascend:v0.11.0"
 # docs/vllm-ascend.md: vLLM-Ascend's tuning guide. The worker image sets the same defaults.
@@ -163,6 +167,7 @@ def _health_test(python: str, port: int) -> str:
 def _gateway_service(workers: Sequence[Worker]) -> str:
     return _GATEWAY.format(
         port=DEFAULT_PORT,
+        metrics_port=METRICS_PORT,
         workers=",".join(worker.url for worker in workers),
         depends=", ".join(worker.name for worker in workers),
         health=_health_test("python", DEFAULT_PORT),
@@ -260,9 +265,12 @@ _HEADER = """\
 # the NPU list: set NPUS in .env (e.g. NPUS=0-3) and run it again; it rewrites this file and
 # deploy/prometheus/targets/workers.yml together. Do not edit by hand: tests/deploy/ fails.
 #
-#   cp .env.example .env                  then set GRAFANA_ADMIN_PASSWORD, MODEL_DIR, keys
+#   scripts/make-env.py                   .env from .env.example, with a generated API key,
+#                                         admin key and Grafana password; then set MODEL_DIR
 #   docker compose up -d --build          (or docker-compose with Compose v1)
-#   curl http://HOST:30000/v1/models      MinerU: -b vlm-http-client -u http://HOST:30000
+#   curl -H "Authorization: Bearer $KEY" http://HOST:30000/v1/models
+#                                         MinerU: MINERU_VL_API_KEY=$KEY, -b vlm-http-client
+#                                         -u http://HOST:30000
 #   Grafana http://127.0.0.1:3000, Prometheus http://127.0.0.1:9090 (localhost unless .env says)
 # README, "Docker Compose (one Atlas 800T A2)", is the whole guide.
 #
@@ -290,14 +298,17 @@ x-worker: &worker
   shm_size: ${{WORKER_SHM_SIZE:-32gb}}
   stop_grace_period: 60s
   environment:
-    HF_HUB_OFFLINE: "1"
     VLLM_NO_USAGE_STATS: "1"
+    # Where the weights come from: empty is MODEL as a directory under MODEL_DIR, offline;
+    # huggingface or modelscope download MODEL by id into the model-cache volume.
+    MINERU_MODEL_SOURCE: ${{MINERU_MODEL_SOURCE:-}}
     # vLLM-Ascend's tuning guide; TASK_QUEUE_ENABLE=2 raises the memory peak: 1 where HBM is tight.
 {tuning}\
     # Worker N's HCCL ports start at this + 64 N: move them if another job on the host uses them.
     MINERU_GATEWAY_HCCL_BASE_PORT: ${{HCCL_BASE_PORT:-{hccl}}}
   volumes:
     - ${{MODEL_DIR:-/data/models}}:/models:ro
+    - model-cache:/root/.cache # downloads (huggingface, modelscope), kept across restarts
     # The Ascend driver and tools from the host (vLLM-Ascend's mount list, docs/vllm-ascend.md).
     - /usr/local/Ascend/driver:/usr/local/Ascend/driver:ro
     - /usr/local/dcmi:/usr/local/dcmi:ro
@@ -344,8 +355,13 @@ _GATEWAY = """\
     command: [mineru-gateway, serve, --host=0.0.0.0, --port={port}]
     environment:
       MINERU_GATEWAY_WORKERS: {workers}
+      # Without a client key the gateway refuses to start (it listens on every interface)
+      # unless ALLOW_NO_AUTH=true: scripts/make-env.py writes a generated key into .env.
       MINERU_GATEWAY_API_KEYS: ${{API_KEYS:-}}
       MINERU_GATEWAY_ADMIN_KEYS: ${{ADMIN_KEYS:-}}
+      MINERU_GATEWAY_ALLOW_NO_AUTH: ${{ALLOW_NO_AUTH:-false}}
+      # /metrics on a port of its own, not published: Prometheus reaches it on this network.
+      MINERU_GATEWAY_METRICS_PORT: "{metrics_port}"
       MINERU_GATEWAY_NPU_SMI: "off" # the npu-exporter service reads the NPUs
       MINERU_GATEWAY_LOG_FORMAT: json
     ports:
@@ -417,6 +433,7 @@ _MONITORING = """\
 volumes:
   prometheus-data:
   grafana-data:
+  model-cache:
 """
 
 _TARGETS = """\

@@ -1,16 +1,19 @@
-"""The dispatcher: where a request waits for room on a worker, and gets a lease on one (issue 13).
+"""The dispatcher: where a request waits for room on a worker, and gets a lease on one.
 
-It drives the pure queue in `flow.py` with the registry's live views. `acquire` returns at once
-when nothing is queued and a worker has room (a single user sees no queue at all); otherwise the
-request waits in the fair queue, and whenever room may have appeared (a request ended, fresh
-load figures, a worker came back) `pump` hands the next requests their workers, chosen at that
-moment by the routing policy among the workers with room (late binding).
+It drives the pure queue in `flow.py` with the registry's live views (docs/flow-control.md).
+`acquire` returns at once when nothing is queued and a worker has room (a single user sees no
+queue at all); otherwise the request waits in the fair queue, and whenever room may have appeared
+(a request ended, fresh load figures, a worker came back) `pump` hands the next requests their
+workers, chosen at that moment by the routing policy among the workers with room (late binding).
 
 A lease is taken the moment a ticket is served, before its waiter resumes, so one pump cannot
 overfill a worker; a waiter cancelled at that very moment gives its lease back. Every queued
 request ends one way: served, shed (429 `Retry-After`), timed out in the queue (429), failed
 because no worker is healthy (503) or because the gateway is shutting down (503), or left by its
 client (taken out of the queue at once).
+
+With sibling processes (`serve --processes N`) every decision also goes through `coordination`
+(coordination.py): the one place the dispatcher meets the other processes.
 """
 
 from __future__ import annotations
@@ -24,13 +27,8 @@ from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, Shu
 from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
 from mineru_gateway.routing import WorkerView, candidates_for
 from mineru_gateway.values import value
-from mineru_gateway.workers.group_load import QueueHeads, model_key
+from mineru_gateway.workers.coordination import ALONE, Coordination
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
-
-SIBLING_POLL_S = 0.02
-# A sibling's posted queue head older than this is ignored (its process posts at every look,
-# every SIBLING_POLL_S while it has requests waiting): room never waits for a dead process.
-HEAD_FRESH_S = 5 * SIBLING_POLL_S
 
 
 @value
@@ -82,17 +80,12 @@ class Dispatcher:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        heads: QueueHeads | None = None,
-        ring: Callable[[int], None] | None = None,
+        coordination: Coordination = ALONE,
     ) -> None:
-        """`heads`: with sibling processes, where each posts its most urgent waiting request,
-        and room goes to the most urgent request of the whole gateway (group_load.py);
-        `ring(index)` tells the sibling process `index` to look at once (siblings.py)."""
+        """`coordination`: how decisions agree with the sibling processes (coordination.py);
+        `ALONE` for a gateway of one process."""
         self.registry = registry
-        self.heads = heads
-        self._ring = ring
-        # process index -> the head given way to (when it was queued), since when, last when
-        self._given: dict[int, tuple[float, float, float]] = {}
+        self.coordination = coordination
         self.queue = queue
         self.room = room
         self.enabled = enabled
@@ -112,7 +105,7 @@ class Dispatcher:
         """A lease on a worker for this request: at once if one has room and nobody waits,
         else when the fair queue serves it. Raises Overloaded, NoHealthyWorker, ModelNotFound
         or ShuttingDown."""
-        with self.registry.deciding():
+        with self.coordination.deciding():
             now = self._now_or_ticket(admission)
         return now if isinstance(now, Grant) else await self._wait(now, admission)
 
@@ -168,7 +161,7 @@ class Dispatcher:
         """Another worker for a request whose attempt failed before any byte of an answer: at
         once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
         untried worker is left."""
-        with self.registry.deciding():
+        with self.coordination.deciding():
             worker = self.registry.choose(admission.model, exclude=exclude)
             grant.release()
             return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
@@ -185,9 +178,7 @@ class Dispatcher:
 
     def _withdrawn(self) -> None:
         """A request left the queue unserved: the head posted for the siblings may be it."""
-        if self.heads is not None:
-            with self.registry.deciding():
-                self._post_head()
+        self.coordination.post_head(self.queue)
 
     # -- serving the queue ----------------------------------------------------------------
     def pump(self) -> None:
@@ -206,91 +197,35 @@ class Dispatcher:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        """With sibling processes: room may have appeared (a request of this process ended)
-        that nothing here waits for; those with requests waiting look at once rather than at
-        their next SIBLING_POLL_S."""
-        if self.heads is None or self._ring is None:
-            return
-        for index in self.heads.waiting(self._clock() - HEAD_FRESH_S):
-            self._ring(index)
+        """Room may have appeared (a request of this process ended) that nothing here waits
+        for: sibling processes with requests waiting look at once."""
+        self.coordination.hand_over()
 
     def _look_again(self) -> None:
-        """With sibling processes (`serve --processes N`), room one of their requests leaves
-        shows in the shared table, not as an event here. The process whose request ended rings
-        those with requests waiting (`_hand_over`); in case a ring is lost, or the room shows
-        only in a reading, while requests wait pump again every SIBLING_POLL_S instead of at
-        this process's next release or reading (0.2 s)."""
-        if self._poll is None and self.registry.shares_counts and not self.queue.is_idle():
-            self._poll = asyncio.get_running_loop().call_later(SIBLING_POLL_S, self._polled)
+        """Room a sibling process's request leaves shows in the shared table, not as an event
+        here: while requests wait, pump again every `coordination.poll_s` in case a ring is
+        lost or the room shows only in a reading."""
+        poll = self.coordination.poll_s
+        if self._poll is None and poll is not None and not self.queue.is_idle():
+            self._poll = asyncio.get_running_loop().call_later(poll, self._polled)
 
     def _polled(self) -> None:
         self._poll = None
         self.pump()
 
     def _serve(self) -> None:
-        # One hold of the table's lock for the whole run of grants (each is synchronous): no
+        # One hold of the decision lock for the whole run of grants (each is synchronous): no
         # sibling decides in between, so the head is posted once, after the last.
-        with self.registry.deciding():
+        coordination = self.coordination
+        with coordination.deciding():
             while not self.queue.is_idle() and self._serve_one():
                 pass
-            self._post_head()
-
-    def _post_head(self) -> None:
-        """With sibling processes: this process's most urgent waiting request, for them to
-        give way to (called under the table's lock)."""
-        if self.heads is None:
-            return
-        ticket = self.queue.next()
-        if ticket is None:
-            self.heads.clear()
-        else:
-            tenant = ticket.tenant
-            self.heads.post(
-                self._clock(),
-                ticket.priority,
-                tenant.name,
-                tenant.weight,
-                self.queue.share(tenant),
-                ticket.model,
-                ticket.enqueued_at,
-            )
+            coordination.post_head(self.queue)
 
     def _gives_way(self, ticket: Ticket, roomy: list[WorkerView]) -> bool:
         """Whether the room there is belongs to more urgent requests waiting in sibling
-        processes: a more urgent band, a tenant with a smaller share of the gateway's requests,
-        or the same and waiting longer, for a model these workers serve, one request for each
-        such head. A head that has not taken the room left for it within HEAD_FRESH_S is
-        passed over: its process sees the workers otherwise for now (health, a reading)."""
-        if self.heads is None:
-            return False
-        now = self._clock()
-        since = now - HEAD_FRESH_S
-        if not self.heads.posted_since(since):
-            return False  # nothing waits elsewhere (the usual case): no share to read
-        share = self.queue.share(ticket.tenant)
-        ahead = self.heads.ahead(ticket.priority, share, ticket.enqueued_at, since)
-        if not ahead:
-            return False
-        models = {model_key(model) for view in roomy for model in view.models}
-        waiting = []
-        for index, key, queued_at in ahead:
-            if key != 0.0 and key not in models:
-                continue
-            # Since when room has been left for this head, each time within HEAD_FRESH_S of
-            # the last (while room stands empty the queue looks every SIBLING_POLL_S).
-            given = self._given.get(index)
-            if given is None or given[0] != queued_at or now - given[2] > HEAD_FRESH_S:
-                given = (queued_at, now, now)
-            elif now - given[1] > HEAD_FRESH_S:
-                continue
-            self._given[index] = (queued_at, given[1], now)
-            waiting.append(index)
-        if not waiting or self.room.free(roomy) > len(waiting):
-            return False
-        if self._ring is not None:
-            for index in waiting:
-                self._ring(index)
-        return True
+        processes (coordination.py)."""
+        return self.coordination.gives_way(ticket, roomy, self.queue, self.room)
 
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False

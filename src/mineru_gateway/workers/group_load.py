@@ -1,12 +1,12 @@
 """What every process of one gateway has in flight on each worker, in shared memory.
 
 `serve --processes N` runs N processes, each routing on its own in-flight requests plus the
-workers' reported queues. Another process's requests reached it only through the next reading,
-up to `load_interval_s` old: at exactly full batches, two processes could each see the last free
-slot of a worker and both send there, and one request waited for a whole answer to end in the
-worker's queue (18 s with 512-token answers, in 2 rounds of 4: benchmarks/results/
-processes_full_batch.md). Processes of one host can do better than replicas: each publishes its
-count and estimated cost per worker in a table all of them map, and routes on the group's.
+workers' reported queues. Another process's requests would reach it only through the next
+reading, up to `load_interval_s` old: at exactly full batches, two processes could each see the
+last free slot of a worker and both send there, and one request would wait in the worker's queue
+for a whole answer to end (benchmarks/results/processes_full_batch.md). Processes of one host can
+do better than replicas: each publishes its count and estimated cost per worker in a table all
+of them map, and routes on the group's.
 
 The table is a file in the processes' private directory (siblings.py), made by whichever process
 opens it first: a row of (count, cost) pairs per process, one column per worker, and a row of
@@ -17,9 +17,10 @@ that died holds nothing.
 
 Instant counts are not enough: requests that end in the same engine step on two workers bring
 their clients' next requests to two processes at the same moment, and both can read the table
-before either has written it (with the counts alone, still 1 round in 4). So a routing decision,
-from reading the views to taking the lease, holds the table's lock (`WorkerRegistry.deciding`):
-two flock calls per request, the processes deciding one at a time (then none in 6).
+before either has written it (benchmarks/results/processes_full_batch.md). So a routing
+decision, from reading the views to taking the lease, holds the table's lock
+(`Coordination.deciding`, workers/coordination.py): two flock calls per request, the processes
+deciding one at a time.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import structlog
 log = structlog.get_logger("mineru_gateway.group_load")
 
 # Workers whose counts can be shared over the gateway's life: columns are not reused, and pods
-# on Kubernetes come back with new addresses (4,096 columns: 32 KB of keys, 64 KB a process).
+# on Kubernetes come back with new addresses (8 bytes of key per column, 16 per process).
 COLUMNS = 4096
 WIDTH = 2  # a worker's figures per process: (count, cost)
 
@@ -253,23 +254,23 @@ class QueueHeads:
     """Each process's most urgent queued request, posted for the others to give way to.
 
     A process's queue orders only its own requests, and room a request leaves is taken first by
-    its own process (it pumps its queue at once; the others look every `SIBLING_POLL_S`). With
-    N processes a process that held no room was starved while a sibling kept refilling the
-    worker from its queue (B's requests waited in its queue for the whole of A's batch,
-    benchmarks/results/flow_processes.md), and room went to requests less urgent than one
-    waiting elsewhere. So each process posts its head, and a process about to use room that only
-    more urgent heads elsewhere should take leaves it and rings those processes (siblings.py,
-    `Doorbell`), whose queues take it; a lost ring waits for that queue's next look.
+    its own process (it pumps its queue at once; the others look every `SIBLING_POLL_S`). Left
+    at that, a process that holds no room starves while a sibling keeps refilling the worker
+    from its queue (benchmarks/results/flow_processes.md), and room goes to requests less urgent
+    than one waiting elsewhere. So each process posts its head, and a process about to use room
+    that only more urgent heads elsewhere should take leaves it and rings those processes
+    (siblings.py, `Doorbell`), whose queues take it; a lost ring waits for that queue's next
+    look.
 
     The order between processes: the priority band, then the tenant's share of the gateway's
     requests in flight for its weight (read from the tenants' table at the moment of the
     decision for both heads, so a request that just ended counts alike for both), then the
     longest waiting. The processes' views of a worker can differ for a while (each probes health
     itself; readings reach the others a little later), so a head that does not take the room it
-    is left is passed over after a while (the dispatcher's part). A head older than the caller's
+    is left is passed over after a while (workers/coordination.py). A head older than the caller's
     `since` is ignored: its process has stopped posting (it died, or it is stuck), and room must
     not wait for it. Read and written under the workers' table lock
-    (`WorkerRegistry.deciding`), so a head is never read half-written.
+    (`Coordination.deciding`), so a head is never read half-written.
     """
 
     def __init__(

@@ -22,6 +22,10 @@ What one vLLM(-Ascend) server per NPU needs (docs/vllm-ascend.md):
   defaults: they are what makes the worker this worker.
 - MinerU's logits processor (`no_repeat_ngram_size`, which MinerU's client sends) when the model
   is MinerU, as `mineru-vllm-server` does (docs/mineru-client.md).
+- Where the weights come from (`model_source`, MinerU's MINERU_MODEL_SOURCE values): a local
+  directory, checked before vLLM starts (a wrong path otherwise shows only once vLLM has loaded,
+  minutes later) and served offline (HF_HUB_OFFLINE=1); the Hugging Face hub (online); or
+  ModelScope (vLLM's VLLM_USE_MODELSCOPE).
 
 On `cpu` (real vLLM's CPU build, used by the tests here) the device becomes a core list for
 `VLLM_CPU_OMP_THREADS_BIND`, the CPU analogue of `ASCEND_RT_VISIBLE_DEVICES`
@@ -40,7 +44,7 @@ import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import NoReturn
 
@@ -50,6 +54,7 @@ from mineru_gateway.config import (
     HCCL_MAX_BASE_PORT,
     HCCL_PORT_STRIDE,
     LauncherSettings,
+    ModelSource,
     Platform,
 )
 
@@ -115,6 +120,15 @@ RESERVED_FLAGS: Mapping[str, str] = MappingProxyType(
     }
 )
 
+# What each source of weights sets (huggingface_hub and vLLM read these).
+SOURCE_ENV: Mapping[ModelSource, Mapping[str, str]] = MappingProxyType(
+    {
+        "local": MappingProxyType({"HF_HUB_OFFLINE": "1"}),
+        "huggingface": MappingProxyType({"HF_HUB_OFFLINE": "0"}),
+        "modelscope": MappingProxyType({"VLLM_USE_MODELSCOPE": "True", "HF_HUB_OFFLINE": "0"}),
+    }
+)
+
 # The launcher's own interpreter: never passed on to vLLM's (another virtualenv or image Python).
 LAUNCHER_ONLY_ENV = ("PYTHONHOME", "VIRTUAL_ENV")
 
@@ -167,12 +181,23 @@ class VllmOptions:
     hccl_base_port: int = DEFAULT_HCCL_BASE_PORT
     extra_args: tuple[str, ...] = ()
     mineru_logits_processor: bool | None = None  # None: on when the model looks like MinerU
+    model_source: ModelSource | None = None  # None: local for a path, huggingface for an id
+
+    @property
+    def is_path(self) -> bool:
+        return self.model.startswith(("/", ".", "~"))
+
+    @property
+    def source(self) -> ModelSource:
+        if self.model_source is not None:
+            return self.model_source
+        return "local" if self.is_path else "huggingface"
 
     @property
     def served_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if self.model.startswith(("/", ".", "~")):
+        if self.is_path:
             return PurePosixPath(self.model.rstrip("/")).name or self.model
         return self.model
 
@@ -321,7 +346,23 @@ def _worker_env(
                 "VLLM_CPU_OMP_THREADS_BIND": cpu_bind if cpu_bind is not None else str(device),
             },
         )
+    pinned |= SOURCE_ENV[options.source]
     return {name: environ.get(name, value) for name, value in defaults.items()} | pinned
+
+
+def check_model(options: VllmOptions | None) -> None:
+    """ValueError, naming the path, when a local model is not a model directory: refused before
+    vLLM starts, not minutes into its start."""
+    if options is None or options.source != "local":
+        return
+    directory = Path(options.model).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"model directory {options.model} does not exist (model source local)")
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"model directory {options.model} has no config.json: not a downloaded model "
+            "(set --model-source huggingface or modelscope to download by id)"
+        )
 
 
 def build_sim_command(
@@ -371,6 +412,7 @@ def vllm_options(
         hccl_base_port=settings.hccl_base_port,
         extra_args=tuple(extra_args),
         mineru_logits_processor=settings.mineru_logits_processor,
+        model_source=settings.model_source,
     )
 
 
@@ -384,6 +426,14 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every vLLM worker of a group shares (`worker` and `up --engine vllm`)."""
     group = parser.add_argument_group("vLLM workers")
     group.add_argument("--model", help=_help("model"))
+    group.add_argument(
+        "--model-source",
+        choices=("local", "huggingface", "modelscope"),
+        help=_help("model_source").replace(
+            "[env MINERU_GATEWAY_MODEL_SOURCE",
+            "[env MINERU_GATEWAY_MODEL_SOURCE or MINERU_MODEL_SOURCE",
+        ),
+    )
     group.add_argument("--served-model-name", help=_help("served_model_name"))
     group.add_argument("--vllm-python", metavar="PYTHON", help=_help("vllm_python"))
     group.add_argument("--platform", choices=PLATFORMS, help=_help("platform"))
@@ -456,6 +506,8 @@ def run_worker(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     try:
         command = worker_command_from_args(args, environ)
+        if not args.dry_run:
+            check_model(vllm_options(LauncherSettings.from_args(args), ()))
     except ValueError as error:
         print(f"mineru-gateway worker: {error}", file=sys.stderr)
         return 2

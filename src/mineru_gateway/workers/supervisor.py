@@ -16,7 +16,10 @@ One task per worker runs its life:
 - Restarts back off exponentially (`backoff_s * 2**n`, capped); a worker that had stayed healthy
   for `backoff_reset_s` starts again from `backoff_s`.
 - Output goes to one file per worker (appended across restarts), and with `log_to_terminal` also
-  to the terminal, each line prefixed `[name]`.
+  to the terminal, each line prefixed `[name]` (or, with `json_output`, as a JSON event).
+- A worker that cannot start is not restarted for ever: when it exits before its first healthy
+  check with a port already in use in its log, or `give_up_after` times in a row, supervision
+  fails (`wait_failed`) with the last lines of its log, and the group stops (entry/group.py).
 """
 
 from __future__ import annotations
@@ -25,22 +28,28 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Literal
 
 import aiohttp
+import orjson
 import structlog
 
 log = structlog.get_logger("mineru_gateway.supervisor")
 
 PR_SET_PDEATHSIG = 1
 GROUP_GRACE_S = 5.0  # after the main process: TERM to the rest of its group, then KILL
+TAIL_LINES = 20  # of a worker's log, shown when it cannot start
+_TAIL_BYTES = 64 * 1024
+# Python's and uvicorn's words for EADDRINUSE: no restart can free the port.
+PORT_IN_USE = re.compile(rb"address already in use|errno 98\b|eaddrinuse", re.IGNORECASE)
 
 WorkerState = Literal["starting", "healthy", "unhealthy", "backoff", "stopped"]
 
@@ -68,10 +77,13 @@ class RestartPolicy:
     backoff_s: float = 1.0
     backoff_cap_s: float = 60.0
     backoff_reset_s: float = 120.0
+    give_up_after: int = 3  # exits in a row before a first healthy check that stop the group
 
     def __post_init__(self) -> None:
         if self.unhealthy_after < 1:
             raise ValueError("unhealthy_after must be at least 1")
+        if self.give_up_after < 1:
+            raise ValueError("give_up_after must be at least 1")
         for name in ("start_timeout_s", "start_poll_s", "health_interval_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -83,6 +95,16 @@ class RestartPolicy:
         return float(min(self.backoff_s * 2 ** min(failures, 32), self.backoff_cap_s))
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """Why a worker could not start, and the end of its log."""
+
+    worker: str
+    reason: str
+    log: Path | None
+    last_lines: tuple[str, ...]
+
+
 @dataclass(slots=True)
 class ManagedWorker:
     """One worker's process and history, owned by its supervisor task."""
@@ -92,6 +114,7 @@ class ManagedWorker:
     process: asyncio.subprocess.Process | None = None
     starts: int = 0
     failures: int = 0  # in a row, for the backoff
+    early_exits: int = 0  # in a row, each before a first healthy check
     started_at: float = 0.0
     healthy_since: float | None = None
     last_reason: str | None = None  # why it was last restarted
@@ -137,12 +160,16 @@ class Supervisor:
         log_dir: Path | None = None,
         log_to_terminal: bool = False,
         terminal: IO[bytes] | None = None,
+        json_output: bool = False,
     ) -> None:
         self.workers = [ManagedWorker(spec) for spec in specs]
         self.policy = policy or RestartPolicy()
         self._log_dir = log_dir
         self._tee = log_to_terminal
         self._terminal = terminal
+        self._json_output = json_output
+        self.failure: WorkerFailure | None = None
+        self._failed = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -164,6 +191,12 @@ class Supervisor:
         """Returns once every worker is healthy at the same time."""
         while not all(worker.ready.is_set() for worker in self.workers):
             await asyncio.gather(*(worker.ready.wait() for worker in self.workers))
+
+    async def wait_failed(self) -> WorkerFailure:
+        """Returns when a worker could not start (and will not be restarted again)."""
+        await self._failed.wait()
+        assert self.failure is not None
+        return self.failure
 
     def worker_at(self, url: str) -> ManagedWorker:
         for worker in self.workers:
@@ -202,11 +235,17 @@ class Supervisor:
                 await self._spawn(worker)
             except OSError as error:
                 reason = f"could not start: {error}"
+                if self._gives_up(worker, reason):
+                    return
             else:
                 reason = await self._watch(worker)
                 if self._stop.is_set():
                     return
+                # Exited (not timed out) before its first healthy check this start.
+                exited_early = worker.state == "starting" and not worker.running
                 await self._terminate(worker)
+                if exited_early and self._gives_up(worker, reason):
+                    return
                 if worker.restart_requested.is_set():
                     worker.restart_requested.clear()
                     self._set_unready(worker, "starting")
@@ -224,6 +263,39 @@ class Supervisor:
                 restarts=worker.restarts,
             )
             await self._back_off(worker, delay)
+
+    def _gives_up(self, worker: ManagedWorker, reason: str) -> bool:
+        """After an exit before a first healthy check: True (and the failure set) when another
+        start would fail the same way."""
+        worker.early_exits += 1
+        tail = self._log_tail(worker)
+        in_use = any(PORT_IN_USE.search(line.encode()) for line in tail)
+        if not in_use and worker.early_exits < self.policy.give_up_after:
+            return False
+        if in_use:
+            reason += f" (port of {worker.spec.url} in use)"
+        elif worker.early_exits > 1:
+            reason += f" ({worker.early_exits} starts in a row)"
+        self._set_unready(worker, "stopped")
+        if self.failure is None:
+            self.failure = WorkerFailure(worker.name, reason, self.log_path(worker), tail)
+            self._failed.set()
+        log.error("worker_failed_to_start", worker=worker.name, reason=reason)
+        return True
+
+    def _log_tail(self, worker: ManagedWorker) -> tuple[str, ...]:
+        """The last lines the worker's latest start wrote to its log."""
+        path = self.log_path(worker)
+        if path is None or not path.is_file():
+            return ()
+        with path.open("rb") as log_file:
+            log_file.seek(max(path.stat().st_size - _TAIL_BYTES, 0))
+            text = log_file.read().decode(errors="replace")
+        lines = text.splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("==== ")]
+        if starts:  # this start's lines only, not its header
+            lines = lines[starts[-1] + 1 :]
+        return tuple(lines[-TAIL_LINES:])
 
     async def _back_off(self, worker: ManagedWorker, delay: float) -> None:
         """Waits `delay` before the next start; a stop, or a requested restart, cuts it short."""
@@ -271,8 +343,9 @@ class Supervisor:
             raise
         worker.started_at = time.monotonic()
         if self._tee and worker.process.stdout is not None:
+            render = _json_line if self._json_output else _prefixed_line
             worker.output_task = asyncio.create_task(
-                _copy_output(worker.process.stdout, worker.name, log_file, self._terminal),
+                _copy_output(worker.process.stdout, worker.name, log_file, self._terminal, render),
                 name=f"output-{worker.name}",
             )
         elif log_file is not None:
@@ -367,6 +440,7 @@ class Supervisor:
                 restarts=worker.restarts,
             )
             worker.healthy_since = time.monotonic()
+            worker.early_exits = 0
         else:
             log.info("worker_recovered", worker=worker.name)
         worker.state = "healthy"
@@ -403,15 +477,27 @@ class Supervisor:
         log.info("worker_stopped", worker=worker.name, status=process.returncode)
 
 
+def _prefixed_line(name: str, line: bytes) -> bytes:
+    return f"[{name}] ".encode() + line + b"\n"
+
+
+def _json_line(name: str, line: bytes) -> bytes:
+    """A worker's output line as an event of the gateway's JSON log."""
+    stamp = datetime.now(UTC).isoformat()
+    text = line.decode(errors="replace")
+    event = {"event": "worker_output", "worker": name, "line": text, "timestamp": stamp}
+    return orjson.dumps(event) + b"\n"
+
+
 async def _copy_output(
     stream: asyncio.StreamReader,
     name: str,
     log_file: IO[bytes] | None,
     terminal: IO[bytes] | None,
+    render: Callable[[str, bytes], bytes] = _prefixed_line,
 ) -> None:
-    """Copies a worker's output to its log file and, line by line prefixed, to the terminal."""
+    """Copies a worker's output to its log file and, line by line, to the terminal."""
     out = terminal if terminal is not None else sys.stderr.buffer
-    prefix = f"[{name}] ".encode()
     pending = b""
     try:
         while chunk := await stream.read(65536):
@@ -421,10 +507,10 @@ async def _copy_output(
             pending += chunk
             *lines, pending = pending.split(b"\n")
             if lines:
-                out.write(b"".join(prefix + line + b"\n" for line in lines))
+                out.write(b"".join(render(name, line) for line in lines))
                 out.flush()
         if pending:
-            out.write(prefix + pending + b"\n")
+            out.write(render(name, pending))
             out.flush()
     finally:
         if log_file is not None:

@@ -1,0 +1,276 @@
+"""The gateway's own routes: liveness, readiness, models, metrics, and the workers' control.
+
+`/v1/workers` changes (add, remove, drain, undrain) need an admin key, distinct from every client
+key. A change made in one process of `serve --processes N` is repeated in its siblings, and the
+workers' view adds up every process's counts (siblings.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+from starlette.responses import Response
+
+from mineru_gateway.api.auth import bearer_match
+from mineru_gateway.api.context import GatewayContext, gateway_context
+from mineru_gateway.errors import (
+    Conflict,
+    GatewayError,
+    NoHealthyWorker,
+    PermissionDenied,
+    ShuttingDown,
+    UnknownPath,
+    UnknownWorker,
+)
+from mineru_gateway.siblings import SHARED_READINGS_PATH, SIBLING_SCOPE_KEY, reading_json
+from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.rolling import RollingRestart
+
+router = APIRouter()
+
+
+class WorkerChange(BaseModel):
+    url: str = Field(pattern=r"^https?://[^/]+$", description="A worker's base URL.")
+
+
+class RestartRequest(BaseModel):
+    urls: list[str] | None = Field(None, description="Workers to restart; default: all.")
+
+
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def _context(request: Request) -> GatewayContext:
+    return gateway_context(request.scope)
+
+
+def _from_sibling(request: Request) -> bool:
+    """The request came over a sibling process's socket (siblings.py)."""
+    return bool(request.scope.get(SIBLING_SCOPE_KEY))
+
+
+# -- who may call what ----------------------------------------------------------------------
+def _admin(request: Request) -> None:
+    """What changes the gateway needs an admin key, distinct from every client key: a client
+    must not add its own server and receive other tenants' requests."""
+    keys = _context(request).settings.all_admin_keys
+    if not keys:
+        raise PermissionDenied(
+            "changing the gateway's workers is off: set MINERU_GATEWAY_ADMIN_KEYS to enable it",
+            code="admin_disabled",
+        )
+    if not _is_admin(request):
+        raise PermissionDenied("this needs an admin key (Authorization: Bearer <admin key>)")
+
+
+def _is_admin(request: Request) -> bool:
+    keys = _context(request).settings.all_admin_keys
+    header = request.headers.get("authorization", "").encode()
+    return bearer_match(header, ((key.encode(), True) for key in keys)) is True
+
+
+def _authorized(request: Request) -> None:
+    _context(request).tenants.authenticate(request.headers.get("authorization", "").encode())
+
+
+def _client_or_admin(request: Request) -> None:
+    """What a client may read an operator may read too (`mineru-gateway workers list`)."""
+    if not _is_admin(request):
+        _authorized(request)
+
+
+# -- liveness, readiness, models, metrics ---------------------------------------------------
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: the gateway process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> Response:
+    """Readiness: at least one worker can serve."""
+    context = _context(request)
+    registry = context.registry
+    if context.lifecycle.draining:
+        raise ShuttingDown("the gateway is shutting down")
+    if not registry.any_healthy():
+        raise NoHealthyWorker("no healthy worker")
+    healthy = sum(worker.healthy for worker in registry.workers)
+    return json_response({"status": "ready", "healthy_workers": healthy})
+
+
+@router.get("/v1/models", dependencies=[Depends(_authorized)])
+async def models(request: Request) -> Response:
+    """The union of the healthy workers' models, one entry per model id."""
+    registry = _context(request).registry
+    if not registry.any_healthy():
+        raise NoHealthyWorker("no healthy worker to list models from")
+    return json_response({"object": "list", "data": registry.models()})
+
+
+async def render_metrics(context: GatewayContext, *, sibling: bool) -> bytes:
+    """This process's exposition for a sibling's scrape, else the whole gateway's."""
+    own = generate_latest(context.metrics_registry)
+    if context.siblings is None or sibling:
+        return own
+    return await context.siblings.metrics(own)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
+    context = _context(request)
+    sibling = _from_sibling(request)
+    if context.settings.metrics_port is not None and not sibling:
+        raise UnknownPath(
+            "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
+            "not on this port"
+        )
+    body = await render_metrics(context, sibling=sibling)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get(SHARED_READINGS_PATH)
+async def readings(request: Request) -> Response:
+    """The workers' load figures this process read, for its siblings only (siblings.py):
+    with several processes, the first reads every worker's `/metrics` for all."""
+    if not _from_sibling(request):
+        raise UnknownPath(f"{SHARED_READINGS_PATH} is for the gateway's own processes")
+    context = _context(request)
+    taken = context.registry.readings(max_age_s=context.settings.stale_after_s)
+    return json_response({url: reading_json(reading) for url, reading in taken.items()})
+
+
+# -- the workers ----------------------------------------------------------------------------
+@router.get("/v1/workers", dependencies=[Depends(_client_or_admin)])
+async def workers(request: Request) -> Response:
+    """Each worker's URL, state, load (own and reported) and last error."""
+    return json_response(await _workers_view(request))
+
+
+@router.post("/v1/workers", dependencies=[Depends(_admin)])
+async def add_worker(request: Request, change: WorkerChange) -> Response:
+    """Adds a worker at run time; it takes traffic once its health check passes."""
+    registry = _context(request).registry
+    await registry.check(registry.add(change.url))
+    await propagate(request)
+    return json_response(await _workers_view(request), 201)
+
+
+@router.delete("/v1/workers", dependencies=[Depends(_admin)])
+async def remove_worker(request: Request, change: WorkerChange) -> Response:
+    """Stops routing new requests to a worker; those already there finish normally."""
+    _context(request).registry.remove(change.url)
+    await propagate(request)
+    return json_response(await _workers_view(request))
+
+
+@router.post("/v1/workers/drain", dependencies=[Depends(_admin)])
+async def drain_worker(request: Request, change: WorkerChange) -> Response:
+    """No new requests to a worker (queued ones go to the others); those on it finish.
+    Its `in_flight` in the answer (and in GET /v1/workers) says when it is idle."""
+    _known(_context(request), change.url).drain(change.url)
+    await propagate(request)
+    return json_response(await _workers_view(request))
+
+
+@router.post("/v1/workers/undrain", dependencies=[Depends(_admin)])
+async def undrain_worker(request: Request, change: WorkerChange) -> Response:
+    """A drained worker takes requests again (once its health check passes)."""
+    _known(_context(request), change.url).undrain(change.url)
+    await propagate(request)
+    return json_response(await _workers_view(request))
+
+
+@router.post("/v1/workers/restart", dependencies=[Depends(_admin)])
+async def restart_workers(request: Request, change: RestartRequest) -> Response:
+    """A rolling restart of the workers `up` runs (all, or `urls`), one at a time: 202, then
+    GET /v1/workers/restart says how it goes."""
+    rolling = _rolling(_context(request))
+    rolling.start(change.urls)
+    return json_response(rolling.describe(), 202)
+
+
+@router.get("/v1/workers/restart", dependencies=[Depends(_admin)])
+async def restart_status(request: Request) -> Response:
+    """The current or last rolling restart: its state and each worker's phase."""
+    return json_response(_rolling(_context(request)).describe())
+
+
+def _known(context: GatewayContext, url: str) -> WorkerRegistry:
+    if url not in {worker.url for worker in context.registry.workers}:
+        raise UnknownWorker(f"no worker {url} in this gateway", param="url")
+    return context.registry
+
+
+def _rolling(context: GatewayContext) -> RollingRestart:
+    if context.rolling is None:
+        raise Conflict(
+            "this gateway does not run its workers (`serve`): restart them one at a time with "
+            "POST /v1/workers/drain, your own restart, POST /v1/workers/undrain; `up` does it "
+            "all with POST /v1/workers/restart or SIGHUP",
+            code="not_supervised",
+        )
+    return context.rolling
+
+
+def _describe_workers(context: GatewayContext) -> dict[str, Any]:
+    now = time.monotonic()
+    registry = context.registry
+    return {"policy": registry.policy.name, "workers": [w.describe(now) for w in registry.workers]}
+
+
+# -- the sibling processes ------------------------------------------------------------------
+async def _workers_view(request: Request) -> dict[str, Any]:
+    """`_describe_workers`, with the in-flight figures of every process when there are several
+    (a drained worker is idle when no process has a request on it)."""
+    context = _context(request)
+    view = _describe_workers(context)
+    siblings = context.siblings
+    if siblings is None or _from_sibling(request):
+        return view
+    headers = {"authorization": value} if (value := request.headers.get("authorization")) else {}
+    answers = await asyncio.gather(
+        *(siblings.request(index, "GET", "/v1/workers", headers) for index in siblings.others),
+        return_exceptions=True,
+    )
+    by_url = {worker["url"]: worker for worker in view["workers"]}
+    for answer in answers:
+        if isinstance(answer, BaseException) or answer[0] != 200:
+            continue
+        for theirs in orjson.loads(answer[1])["workers"]:
+            ours = by_url.get(theirs["url"])
+            if ours is not None:
+                for key in ("in_flight", "estimated_cost"):
+                    ours[key] += theirs[key]
+    view["processes"] = siblings.count
+    return view
+
+
+async def propagate(request: Request) -> None:
+    """Repeats an operator's change, just applied here, on the other processes."""
+    context = _context(request)
+    if context.siblings is None or _from_sibling(request):
+        return
+    headers = {
+        name: value
+        for name in ("authorization", "content-type")
+        if (value := request.headers.get(name)) is not None
+    }
+    body = await request.body()
+    failed = await context.siblings.forward(request.method, request.url.path, headers, body)
+    if failed:
+        raise GatewayError(
+            f"the change was made in this process but failed in {failed} of the gateway's "
+            f"other {context.siblings.count - 1} processes; see the gateway's log"
+        )

@@ -1,0 +1,134 @@
+"""Whether each worker may take requests: passive outcomes and active probes.
+
+Health is learnt two ways: an active probe (`GET /health`, then `GET /v1/models`) every
+`interval_s`, and passively: a worker that cannot be connected to, or answers 5xx or drops
+connections `eject_after` times in a row, is taken out of routing and comes back on its next good
+probe. A probe that is refused or answered with an error takes a worker out at once; one that
+merely times out does so only `slow_probes_to_eject` times in a row: a worker busy with a full
+batch (or sharing a few cores) answers `/health` late, and taking every such worker out would turn
+load into a "no healthy worker" outage.
+
+Whoever sends a request reports the attempt's outcome with one call, `report(worker, outcome)`;
+this module alone decides what that means for the worker's health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from mineru_gateway.errors import GatewayError, UpstreamTimeout
+from mineru_gateway.metrics import GatewayMetrics
+from mineru_gateway.workers.membership import Membership
+from mineru_gateway.workers.upstream import UpstreamClient
+from mineru_gateway.workers.vllm_metrics import LOAD_PATH
+from mineru_gateway.workers.worker import Worker
+
+log = structlog.get_logger("mineru_gateway.registry")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    """How the registry probes workers and when it takes one out of routing."""
+
+    interval_s: float = 2.0  # between two active probes
+    timeout_s: float = 2.0  # one probe: /health, then /v1/models
+    eject_after: int = 3  # consecutive passive failures (5xx, dropped connections)
+    slow_probes_to_eject: int = 3  # consecutive probes that only timed out
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt on a worker showed about the worker's health."""
+
+    failure: str | None = None  # a reason label (connect_error, status_5xx, ...); None: fine
+    detail: str = ""
+    eject_now: bool = False  # a refused connection: no need to count
+
+    @classmethod
+    def failed(cls, reason: str, detail: str, *, eject_now: bool = False) -> Outcome:
+        return cls(reason, detail, eject_now)
+
+
+SUCCESS = Outcome()
+
+
+class Health:
+    """Judges the workers of `membership` by `policy`, from outcomes and probes."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        client: UpstreamClient,
+        policy: HealthPolicy,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._membership = membership
+        self._client = client
+        self.policy = policy
+        self._metrics = metrics
+
+    # -- passive ---------------------------------------------------------------------------
+    def report(self, worker: Worker, outcome: Outcome) -> None:
+        """How an attempt on `worker` went. A failure (a refused connection, a 5xx, a dropped
+        stream) counts towards ejection; `eject_now` ejects without counting."""
+        if outcome.failure is None:
+            worker.failures = 0
+            return
+        worker.failures += 1
+        worker.last_error = outcome.detail
+        if worker.healthy and (outcome.eject_now or worker.failures >= self.policy.eject_after):
+            worker.healthy = False
+            self._metrics.ejections.inc(worker.url, outcome.failure)
+            log.warning(
+                "worker_ejected", worker=worker.url, reason=outcome.failure, error=outcome.detail
+            )
+
+    # -- active ----------------------------------------------------------------------------
+    async def check(self, worker: Worker) -> None:
+        timeout = self.policy.timeout_s
+        try:
+            await self._client.get_ok(f"{worker.url}/health", timeout)
+            listing = await self._client.get_json(f"{worker.url}/v1/models", timeout)
+            models = {card["id"]: card for card in listing["data"]}
+        except UpstreamTimeout as exc:
+            worker.slow_probes += 1
+            if worker.healthy and worker.slow_probes < self.policy.slow_probes_to_eject:
+                worker.last_error = str(exc)
+                log.info("worker_probe_slow", worker=worker.url, error=str(exc))
+            else:
+                self.set_health(worker, False, str(exc))
+        except GatewayError as failed:
+            self.set_health(worker, False, str(failed))
+        except (KeyError, TypeError) as bad:
+            self.set_health(worker, False, f"unexpected /v1/models answer: {bad!r}")
+        else:
+            worker.models = models
+            worker.failures = 0
+            worker.slow_probes = 0
+            self.set_health(worker, True, None)
+        worker.last_checked = time.time()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(worker) for worker in self._membership.workers))
+
+    def set_health(self, worker: Worker, healthy: bool, error: str | None) -> None:
+        """What a probe found; a change is told to the membership's listeners."""
+        changed = healthy != worker.healthy
+        if changed:
+            event = "worker_healthy" if healthy else "worker_unhealthy"
+            log.info(event, worker=worker.url, error=error)
+            if healthy:
+                # Back after an outage: maybe another vLLM (a restart with one API server
+                # where there were several), so its filtered read is tried again.
+                worker.load_path = LOAD_PATH
+        worker.healthy = healthy
+        if error is not None:
+            worker.last_error = error
+        elif changed:  # healthy again: the error from before (a start-up refusal) is past
+            worker.last_error = None
+        if changed:
+            self._membership.changed()

@@ -1,0 +1,156 @@
+"""What load each worker reports: its queue read from its `/metrics`, and what is learnt from it.
+
+Routing and flow control count the gateway's own requests at once (`Lease`); the workers' own
+queues, which include everyone else's requests, come from here every `interval_s`
+(docs/architecture.md). Each reading is corrected for the gateway's requests sent while it was
+under way, teaches a worker's pace (inter-token latency) and batch size, and is shared: with
+`serve --processes N` one process reads the workers for all and the others take its readings
+(siblings.py), so each worker's API server serves one read per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import structlog
+
+from mineru_gateway.errors import GatewayError, UpstreamStatusError
+from mineru_gateway.workers.membership import Membership
+from mineru_gateway.workers.upstream import UpstreamClient
+from mineru_gateway.workers.vllm_metrics import FULL_PATH, VllmLoad, parse_vllm_load
+from mineru_gateway.workers.worker import Reading, Scrape, Worker
+
+log = structlog.get_logger("mineru_gateway.registry")
+
+ITL_SMOOTHING = 0.3
+
+SharedReadings = Callable[[], Awaitable[Mapping[str, Scrape]]]
+
+
+class LoadReader:
+    def __init__(
+        self,
+        membership: Membership,
+        client: UpstreamClient,
+        interval_s: float,
+        shared_readings: SharedReadings | None = None,
+    ) -> None:
+        """With `shared_readings`, the workers' load figures come from that (another gateway
+        process's readings, siblings.py) instead of each worker's `/metrics`."""
+        self._membership = membership
+        self._client = client
+        self.interval_s = interval_s
+        self._shared_readings = shared_readings
+
+    @property
+    def _timeout(self) -> float:
+        return max(1.0, 4 * self.interval_s)
+
+    async def read_all(self) -> None:
+        if self._shared_readings is not None:
+            self._take_shared(await self._shared_readings())
+        else:
+            workers = self._membership.workers
+            await asyncio.gather(*(self.read(w) for w in workers if w.healthy))
+        self._membership.changed()
+
+    def _take_shared(self, readings: Mapping[str, Scrape]) -> None:
+        for worker in self._membership.workers:
+            if worker.healthy and (reading := readings.get(worker.url)) is not None:
+                # The reader's count at its read is the whole gateway's where the worker's
+                # counts are shared (a full table leaves a worker out: then this process's
+                # own count is the best there is, as the reader's is for the reader).
+                shared = worker.shared is not None
+                take(worker, reading, reading.own_in_flight if shared else worker.in_flight)
+
+    async def read(self, worker: Worker) -> None:
+        own, leased, path = worker.in_flight, worker.leased, worker.load_path
+        siblings = worker.siblings_load()[0]
+        why = "the filtered read has no load series"
+        try:
+            text = await self._client.get_ok(worker.url + path, self._timeout)
+        except UpstreamStatusError as error:
+            if path == FULL_PATH:
+                return
+            text, why = b"", str(error)
+        except GatewayError:
+            return  # the figures age; past `stale_after_s` routing ignores them
+        load = parse_vllm_load(text)
+        if load is not None:
+            # The worker may have counted the requests sent while the read was under way: they
+            # are ours too. Counted as someone else's, each would stand as a phantom request on
+            # the worker until the next read, and could send a request to a worker whose batch
+            # is full (benchmarks/results/stream_events.md). Ours that ended meanwhile stay
+            # counted: that can only hide someone else's request, never make up one.
+            own += worker.leased - leased
+            # The same for the sibling processes' (whose sends during the read are not known
+            # one by one): the larger of their counts before and after it.
+            own += max(siblings, worker.siblings_load()[0])
+            take(worker, Reading(load, time.monotonic()), own)
+        elif path != FULL_PATH:
+            # vLLM with several API servers (a multiprocess registry knows no names), or a
+            # server without vLLM's `/metrics/` mount: the whole page from now on.
+            worker.load_path = FULL_PATH
+            log.info("worker_load_unfiltered", worker=worker.url, reason=why)
+            await self.read(worker)
+
+    def readings(self, max_age_s: float) -> dict[str, Scrape]:
+        """The latest load figures of each worker read within `max_age_s`, with the gateway's
+        count when they were read, for the gateway's other processes (time.monotonic() is one
+        clock for every process of a host)."""
+        oldest = time.monotonic() - max_age_s
+        return {
+            worker.url: worker.scrape
+            for worker in self._membership.workers
+            if worker.scrape is not None and worker.scrape.at >= oldest
+        }
+
+
+def take(worker: Worker, reading: Reading, own: int) -> None:
+    """`reading` becomes the worker's figures, `own` the gateway's count at it; what it teaches
+    (pace, batch size) is learnt from it against the previous one."""
+    if worker.scrape is not None and worker.scrape.at >= reading.at:
+        return  # a reading already taken (shared readings are fetched more than once)
+    learn_pace(worker, reading.load)
+    learn_batch(worker, reading.load)
+    worker.scrape = Scrape(reading.load, reading.at, own)
+
+
+def learn_pace(worker: Worker, load: VllmLoad) -> None:
+    """A worker's smoothed inter-token latency, from the tokens it made since its last
+    reading (before `worker.scrape` becomes `load`)."""
+    previous = worker.scrape
+    if previous is None:
+        return
+    tokens = load.itl_count - previous.load.itl_count
+    if tokens <= 0:
+        return  # idle, or the worker restarted: keep what was learnt
+    itl = (load.itl_sum - previous.load.itl_sum) / tokens
+    if worker.itl_s is None:
+        worker.itl_s = itl
+    else:
+        worker.itl_s += ITL_SMOOTHING * (itl - worker.itl_s)
+
+
+def learn_batch(worker: Worker, load: VllmLoad) -> None:
+    """A worker's batch size from its own figures (before `worker.scrape` becomes `load`).
+
+    A snapshot's `waiting` proves nothing by itself: new requests wait for the next engine step
+    at any load, and a burst of long prompts waits on the step's token budget while the batch
+    fills. A plateau does: the same number running in two readings in a row, with requests
+    waiting in both, is the batch's limit (its `max_num_seqs`, or what its KV cache holds). The
+    most seen is kept; a worker seen running more than that had been caught short of it, and
+    since flow control lets a headroom more through, the estimate grows until requests wait.
+    """
+    running = round(load.running)
+    previous = worker.scrape.load if worker.scrape is not None else None
+    plateau = (
+        previous is not None
+        and load.waiting > 0
+        and previous.waiting > 0
+        and round(previous.running) == running
+    )
+    if plateau or (worker.batch_seen and running > worker.batch_seen):
+        worker.batch_seen = max(worker.batch_seen, running)
