@@ -51,6 +51,38 @@ async def members_are(url: str, wanted: int) -> bool:
     return await members(url) == wanted
 
 
+async def test_takes_at_once_share_one_round_trip_first_come_first_served(
+    redis_server: RedisServer,
+) -> None:
+    slots = FleetSlots(redis_server.url)
+    try:
+        taken = await asyncio.gather(*(slots.take(TENANT, 1) for _ in range(5)))
+        assert [len(permits) for permits in taken] == [1, 1, 1, 0, 0]
+        assert await members(redis_server.url) == 3
+    finally:
+        await slots.close()
+
+
+async def test_a_take_its_caller_leaves_gives_its_slots_back(redis_server: RedisServer) -> None:
+    slots = FleetSlots(redis_server.url)
+    try:
+        for iterations in range(8):  # left before its round trip, during it, after it
+            task = asyncio.create_task(slots.take(TENANT, 2))
+            for _ in range(iterations):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if task.cancelled():
+                await eventually(lambda: members_are(redis_server.url, 0))
+            else:  # it had its answer: its caller holds the slots
+                for permit in task.result():
+                    slots.release(permit)
+                await eventually(lambda: members_are(redis_server.url, 0))
+        assert slots.held() == 0
+    finally:
+        await slots.close()
+
+
 async def test_no_tenant_name_in_redis_keys(redis_server: RedisServer) -> None:
     slots = FleetSlots(redis_server.url)
     redis = Redis.from_url(redis_server.url)

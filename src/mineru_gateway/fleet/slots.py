@@ -24,8 +24,7 @@ import asyncio
 import hashlib
 import itertools
 import secrets
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -108,6 +107,28 @@ class FleetMetrics:
     )
 
 
+@dataclass(eq=False, slots=True)
+class _Ask:
+    """A `take` waiting for the next exchange with Redis: how many of `ids` got a slot."""
+
+    key: str
+    limit: int
+    ids: list[str]
+    answer: asyncio.Future[int]
+
+    def give(self, granted: int) -> None:
+        if not self.answer.done():  # done: its caller left, and gave all of `ids` back
+            self.answer.set_result(granted)
+
+
+def _by_tenant(asks: list[_Ask]) -> dict[tuple[str, int], list[_Ask]]:
+    """One take per tenant (and limit) for all its asks of an exchange."""
+    groups: dict[tuple[str, int], list[_Ask]] = {}
+    for ask in asks:
+        groups.setdefault((ask.key, ask.limit), []).append(ask)
+    return groups
+
+
 class FleetSlots:
     """Tenants' in-flight slots in the Redis at `url` (module docstring)."""
 
@@ -119,7 +140,6 @@ class FleetSlots:
         timeout_s: float = 0.05,
         probe_s: float = 1.0,
         poll_s: float = 0.05,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # No retries inside the client: one bounded try, then this replica counts alone.
         self._redis = Redis.from_url(
@@ -128,43 +148,48 @@ class FleetSlots:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
-        self._take = self._redis.register_script(_TAKE)
-        self._renew = self._redis.register_script(_RENEW)
+        self._take_sha = hashlib.sha1(_TAKE.encode()).hexdigest()
+        self._renew_sha = hashlib.sha1(_RENEW.encode()).hexdigest()
+        self._loaded = False  # the scripts are in Redis's script cache
         self.lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self.timeout_s = timeout_s
         self.probe_s = probe_s
         self.poll_s = poll_s  # how often requests waiting for a slot ask again
-        self._clock = clock
         self.replica = secrets.token_hex(8)
         self._ids = itertools.count()
         self._held: dict[str, set[str]] = {}  # key -> ids of the slots this replica holds
+        self._asks: list[_Ask] = []
         self._ended: dict[str, list[str]] = {}  # key -> ids to remove from Redis
         self._ended_count = 0
-        self._releasing: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
         self.fallback = False
+        self._closed = False
         self.metrics = FleetMetrics()
 
     # -- the dispatcher's side --------------------------------------------------------------
     async def take(self, tenant: TenantPolicy, wanted: int) -> list[Permit]:
         """Up to `wanted` slots of `tenant` (whose `max_in_flight` is set): as many as its
         limit leaves, fleet-wide; all of them while Redis is away (the queue's own count per
-        replica then limits the tenant)."""
+        replica then limits the tenant). The takes of one loop iteration share a round trip."""
         limit = tenant.max_in_flight
         assert limit is not None
         key = tenant_key(tenant.name)
         ids = [f"{self.replica}:{next(self._ids)}" for _ in range(wanted)]
+        granted = len(ids)
         if not self.fallback:
+            ask = _Ask(key, limit, ids, asyncio.get_running_loop().create_future())
+            self._asks.append(ask)
+            self._wake()
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    granted = await self._take(keys=[key], args=[limit, self._lease_ms, *ids])
-                ids = ids[: int(granted)]
-            except (TimeoutError, RedisError, OSError) as error:
-                self._fall_back(error)
-        if ids:
-            self._held.setdefault(key, set()).update(ids)
-        return [Permit(key, id_) for id_ in ids]
+                granted = await ask.answer
+            except asyncio.CancelledError:
+                self._end(key, ids)  # taken or not: removing them is harmless
+                raise
+        if granted:
+            self._held.setdefault(key, set()).update(ids[:granted])
+        return [Permit(key, id_) for id_ in ids[:granted]]
 
     def release(self, permit: Permit) -> None:
         """The slot's request ended: its slot goes back soon after, off the request's path."""
@@ -174,54 +199,83 @@ class FleetSlots:
         held.discard(permit.id)
         if not held:
             del self._held[permit.key]
-        self._keep_ended({permit.key: [permit.id]})
-        if not self.fallback and self._releasing is None:
-            self._releasing = asyncio.get_running_loop().create_task(self._send_releases())
+        self._end(permit.key, [permit.id])
 
     def held(self) -> int:
         return sum(map(len, self._held.values()))
 
     # -- Redis ------------------------------------------------------------------------------
-    async def _send_releases(self) -> None:
-        try:
-            await asyncio.sleep(0)  # the releases of this loop iteration go together
-            await self._sync(renew=False)
-        finally:
-            self._releasing = None
+    def _end(self, key: str, ids: list[str]) -> None:
+        """Removals to send with the next exchange (bounded: past the bound, while Redis is
+        away, the slots' leases end them)."""
+        if self._ended_count + len(ids) <= MAX_PENDING_RELEASES:
+            self._ended.setdefault(key, []).extend(ids)
+            self._ended_count += len(ids)
+        self._wake()
 
-    async def _sync(self, *, renew: bool) -> None:
-        """Sends the ended slots' removals (and, with `renew`, the held slots' leases) in one
-        pipelined round trip; falls back on failure, resumes shared counting on success."""
+    def _wake(self) -> None:
+        if self._sender is None and not self.fallback and not self._closed:
+            self._sender = asyncio.get_running_loop().create_task(self._send())
+
+    async def _send(self) -> None:
+        """Exchanges with Redis while takes or removals wait; those of one loop iteration go
+        in one pipelined round trip."""
+        try:
+            await asyncio.sleep(0)
+            while (self._asks or self._ended) and not self.fallback:
+                await self._exchange()
+        finally:
+            self._sender = None
+            if self.fallback:
+                self._answer_alone()
+
+    def _answer_alone(self) -> None:
+        asks, self._asks = self._asks, []
+        for ask in asks:
+            ask.give(len(ask.ids))
+
+    async def _exchange(self, *, renew: bool = False) -> None:
+        """One pipelined round trip: removals, takes, and (`renew`) the held slots' leases.
+        Falls back on failure; a renewal that succeeds resumes shared counting."""
+        # An ask whose caller has left takes nothing: its ids are among the removals.
+        asks, self._asks = [ask for ask in self._asks if not ask.answer.done()], []
+        tenants = _by_tenant(asks)
         ended, self._ended, self._ended_count = self._ended, {}, 0
         try:
-            async with (
-                asyncio.timeout(self.timeout_s),
-                self._redis.pipeline(transaction=False) as pipe,
-            ):
-                for key, ids in ended.items():
-                    pipe.zrem(key, *ids)
-                if renew:
-                    for key, held in self._held.items():
-                        await self._renew(keys=[key], args=[self._lease_ms, *held], client=pipe)
-                await pipe.execute()
+            async with asyncio.timeout(self.timeout_s):
+                if not self._loaded:
+                    await self._redis.script_load(_TAKE)
+                    await self._redis.script_load(_RENEW)
+                    self._loaded = True
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, ids in ended.items():
+                        pipe.zrem(key, *ids)
+                    for (key, limit), group in tenants.items():
+                        ids = [id_ for ask in group for id_ in ask.ids]
+                        pipe.evalsha(self._take_sha, 1, key, limit, self._lease_ms, *ids)
+                    if renew:
+                        for key, held in self._held.items():
+                            pipe.evalsha(self._renew_sha, 1, key, self._lease_ms, *held)
+                    results = await pipe.execute()
         except (TimeoutError, RedisError, OSError) as error:
-            self._keep_ended(ended)
+            for key, ids in ended.items():
+                self._end(key, ids)
             self._fall_back(error)
+            self._asks[:0] = asks
+            self._answer_alone()
             return
+        for group, granted in zip(tenants.values(), results[len(ended) :], strict=False):
+            left = int(granted)
+            for ask in group:  # first come, first served
+                ask.give(min(left, len(ask.ids)))
+                left -= min(left, len(ask.ids))
         if self.fallback and renew:
             self.fallback = False
             log.info("fleet_state_shared", held=self.held())
-
-    def _keep_ended(self, ended: dict[str, list[str]]) -> None:
-        """Removals to send with the next sync (bounded: past the bound, while Redis is away,
-        the slots' leases end them)."""
-        for key, ids in ended.items():
-            if self._ended_count + len(ids) > MAX_PENDING_RELEASES:
-                return
-            self._ended.setdefault(key, []).extend(ids)
-            self._ended_count += len(ids)
+            self._wake()
 
     def _fall_back(self, error: BaseException) -> None:
+        self._loaded = False  # a Redis that comes back may be a new one
         if self.fallback:
             return
         self.fallback = True
@@ -238,23 +292,27 @@ class FleetSlots:
         every probe_s."""
         while True:
             await asyncio.sleep(self.probe_s if self.fallback else self.lease_s / 3)
-            await self._sync(renew=True)
+            await self._exchange(renew=True)
 
     async def start(self) -> None:
         self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
     async def close(self) -> None:
-        for task in (self._keeper, self._releasing):
+        """Stops renewing; gives back every slot still held (when Redis answers)."""
+        self._closed = True
+        for task in (self._keeper, self._sender):
             if task is not None:
                 task.cancel()
-        for task in (self._keeper, self._releasing):
-            if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
-        self._keeper = self._releasing = None
-        if not self.fallback and (self._held or self._ended):
-            self._keep_ended({key: list(held) for key, held in self._held.items()})
-            self._held.clear()
-            await self._sync(renew=False)
+        self._keeper = self._sender = None
+        for ask in self._asks:
+            ask.give(0)  # the gateway is stopping: no slot for what still asks
+        self._asks = []
+        for key, held in self._held.items():
+            self._end(key, list(held))
+        self._held.clear()
+        if self._ended and not self.fallback:
+            await self._exchange()
         await self._redis.aclose()
 
     def collector(self) -> Collector:
