@@ -367,6 +367,14 @@ class FairQueue:
             return
         self._tenants.pop(state.policy.name, None)
 
+    def queued_tenants(self) -> list[tuple[TenantPolicy, int]]:
+        """Each tenant with requests queued, and how many."""
+        return [(s.policy, s.queued) for s in self._tenants.values() if s.queued]
+
+    def queued_of(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return state.queued if state else 0
+
     def in_flight(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
         return state.in_flight if state else 0

@@ -31,7 +31,9 @@ def worker(servers: ExitStack) -> tuple[Counts, str]:
     return counts, servers.enter_context(serve(counting_worker(counts)))
 
 
-def replicas(start_gateway: StartGateway, worker: str, redis: RedisServer) -> list[str]:
+def replicas(
+    start_gateway: StartGateway, worker: str, redis: RedisServer, **extra: object
+) -> list[str]:
     settings = {
         "api_keys": "fleet-key",
         "tenant_max_in_flight": LIMIT,
@@ -39,7 +41,7 @@ def replicas(start_gateway: StartGateway, worker: str, redis: RedisServer) -> li
         "fleet_state": redis.url,
         "fleet_state_timeout_s": 0.2,
         "fleet_state_lease_s": 3.0,
-    }
+    } | extra
     return [start_gateway([worker], **settings) for _ in range(2)]
 
 
@@ -94,4 +96,29 @@ async def test_redis_away_each_replica_holds_the_limit_then_shares_it_again(
     counts.reset_peak()
     statuses = await burst(gateways)
     assert statuses == [200] * 2 * PER_REPLICA
+    assert counts.peak == LIMIT
+
+
+async def test_under_sustained_load_every_request_is_served_within_the_limit(
+    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+) -> None:
+    """Clients sending back to back: requests arrive while others of the tenant queue, some
+    when a slot is free. Each is served in its turn (none waits out `max_queue_wait_s`)."""
+    counts, url = worker
+    counts.hold_s = 0.05
+    gateways = replicas(start_gateway, url, redis_server, max_queue_wait_s=10)
+    deadline = asyncio.get_running_loop().time() + 3.0
+    statuses: list[int] = []
+
+    async def client_loop(client: httpx.AsyncClient, gateway: str) -> None:
+        while asyncio.get_running_loop().time() < deadline:
+            response = await client.post(gateway + CHAT, json=BODY, headers=KEY)
+            statuses.append(response.status_code)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(
+            *(client_loop(client, g) for g in gateways for _ in range(PER_REPLICA))
+        )
+    assert set(statuses) == {200}
+    assert counts.served == len(statuses)
     assert counts.peak == LIMIT

@@ -87,15 +87,12 @@ class Grant:
 
 
 class _Waiter:
-    __slots__ = ("admission", "future", "permit", "timer")
+    __slots__ = ("admission", "future", "timer")
 
-    def __init__(
-        self, admission: Admission, future: asyncio.Future[Grant], permit: Permit | None
-    ) -> None:
+    def __init__(self, admission: Admission, future: asyncio.Future[Grant]) -> None:
         self.admission = admission
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
-        self.permit = permit
 
 
 class Dispatcher:
@@ -122,6 +119,9 @@ class Dispatcher:
         self.drain_rate = DrainRate()
         self.cost_drain = CostDrain()
         self._seeking: asyncio.Task[None] | None = None  # `_seek_slots`, while it runs
+        # Tenant -> fleet-wide slots held for its queued requests: a tenant's slots are alike,
+        # so the one its queue serves next takes one, whichever request brought it.
+        self._spare: dict[str, list[Permit]] = {}
         self._clock = clock
         self._pumping = False
         self._closed: GatewayError | None = None
@@ -179,7 +179,32 @@ class Dispatcher:
             self.fleet.release(permit)
 
     def _has_slot(self, ticket: Ticket) -> bool:
-        return _waiter(ticket).permit is not None or not self._needs_slot(ticket.tenant)
+        return not self._needs_slot(ticket.tenant) or bool(self._spare.get(ticket.name))
+
+    def _spare_slot(self, ticket: Ticket) -> Permit | None:
+        """One of the slots held for the tenant's queue, for `ticket`, about to be served."""
+        spare = self._spare.get(ticket.name)
+        if not spare:
+            return None
+        permit = spare.pop()
+        if not spare:
+            del self._spare[ticket.name]
+        return permit
+
+    def _keep_spare(self, tenant: str, permits: list[Permit]) -> None:
+        """Slots for the tenant's queued requests; more than it has queued go back."""
+        if permits:
+            self._spare.setdefault(tenant, []).extend(permits)
+        self._trim_spare(tenant)
+
+    def _trim_spare(self, tenant: str) -> None:
+        spare = self._spare.get(tenant)
+        if spare is None:
+            return
+        while len(spare) > self.queue.queued_of(tenant):
+            self.give_back(spare.pop())
+        if not spare:
+            del self._spare[tenant]
 
     def _seek_slots(self) -> None:
         """Queued requests of tenants at their fleet-wide limit ask for slots until they have
@@ -190,41 +215,28 @@ class Dispatcher:
     async def _seeking_slots(self) -> None:
         try:
             while (wanting := self._wanting_slots()) and self.fleet is not None:
-                got = all_got = 0
-                for tenant, waiters in wanting:
-                    permits = await self.fleet.take(tenant, len(waiters))
-                    got += self._hand_slots(waiters, permits)
-                    all_got += len(permits) == len(waiters)
-                if got:
-                    self.pump()
-                if all_got < len(wanting):
+                short = False
+                for tenant, wanted in wanting:
+                    permits = await self.fleet.take(tenant, wanted)
+                    self._keep_spare(tenant.name, permits)
+                    short = short or len(permits) < wanted
+                self.pump()
+                if short:
                     await asyncio.sleep(self.fleet.poll_s)
         finally:
             self._seeking = None
 
-    def _wanting_slots(self) -> list[tuple[TenantPolicy, list[_Waiter]]]:
-        """Each tenant's queued waiters without a slot, in the order the queue serves them
-        (band, then arrival), up to its limit."""
-        wanting: dict[str, tuple[TenantPolicy, list[Ticket]]] = {}
-        for ticket in self.queue.tickets():
-            if _waiter(ticket).permit is None and self._needs_slot(ticket.tenant):
-                wanting.setdefault(ticket.name, (ticket.tenant, []))[1].append(ticket)
-        return [
-            (tenant, [_waiter(ticket) for ticket in sorted(tickets, key=_serving_order)][:limit])
-            for tenant, tickets in wanting.values()
-            if (limit := tenant.max_in_flight or 0)
-        ]
-
-    def _hand_slots(self, waiters: list[_Waiter], permits: list[Permit]) -> int:
-        """Gives `permits` to the waiters still queued; returns how many were handed."""
-        handed = 0
-        for waiter, permit in zip(waiters, permits, strict=False):
-            if waiter.future.done() or waiter.permit is not None:
-                self.give_back(permit)  # it left the queue while the slot was asked for
-            else:
-                waiter.permit = permit
-                handed += 1
-        return handed
+    def _wanting_slots(self) -> list[tuple[TenantPolicy, int]]:
+        """Each tenant whose queued requests lack slots, and how many it lacks (up to its
+        limit)."""
+        wanting = []
+        for tenant, queued in self.queue.queued_tenants():
+            if self._needs_slot(tenant):
+                limit = tenant.max_in_flight or 0
+                lacking = min(queued, limit) - len(self._spare.get(tenant.name, ()))
+                if lacking > 0:
+                    wanting.append((tenant, lacking))
+        return wanting
 
     def _now_or_ticket(self, admission: Admission, permit: Permit | None) -> Grant | Ticket:
         """A grant at once, or the ticket the request queues with."""
@@ -255,13 +267,15 @@ class Dispatcher:
 
     async def _wait(self, ticket: Ticket, admission: Admission, permit: Permit | None) -> Grant:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(admission, future, permit)
+        waiter = _Waiter(admission, future)
         ticket.handle = waiter
         try:
             shed = self.queue.push(ticket)
         except Rejected as rejected:
             self.give_back(permit)
             raise self._overloaded(rejected.why, str(rejected)) from None
+        if permit is not None:
+            self._keep_spare(ticket.name, [permit])
         for victim in shed:
             self._fail(victim, self._overloaded("queue_full", "the gateway's queue is full"))
         if not ticket.queued:
@@ -269,7 +283,7 @@ class Dispatcher:
         waiter.timer = asyncio.get_running_loop().call_later(
             self.queue.limits.max_wait_s, self._expire, ticket
         )
-        if not self._has_slot(ticket):
+        if self._needs_slot(ticket.tenant):
             self._seek_slots()
         self.pump()
         try:
@@ -303,9 +317,7 @@ class Dispatcher:
     def _remove(self, ticket: Ticket) -> None:
         """Takes a ticket out of the queue unserved; its fleet-wide slot goes back."""
         self.queue.remove(ticket)
-        waiter = _waiter(ticket)
-        self.give_back(waiter.permit)
-        waiter.permit = None
+        self._trim_spare(ticket.name)
 
     def _withdrawn(self) -> None:
         """A request left the queue unserved: the head posted for the siblings may be it."""
@@ -384,7 +396,7 @@ class Dispatcher:
         candidates = [view for view in roomy if view.serves(ticket.model)]
         worker = self.registry.choose_among(candidates)
         queued_s = self._clock() - ticket.enqueued_at
-        permit, waiter.permit = waiter.permit, None
+        permit = self._spare_slot(ticket)
         grant = self._grant(ticket, worker, waiter.admission, queued_s, permit=permit)
         waiter.future.set_result(grant)
         return True
