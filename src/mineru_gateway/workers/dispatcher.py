@@ -18,8 +18,9 @@ With sibling processes (`serve --processes N`) every decision also goes through 
 With fleet state (`fleet`, fleet/slots.py), a request of a tenant with `max_in_flight` also needs
 one of the tenant's slots in Redis, shared by every replica, before it may go to a worker: taken
 as it arrives (one round trip), or, when the tenant is at its limit fleet-wide, asked for again
-every `fleet.poll_s` while it waits in the queue (docs/operate/fleet-state.md). The slot goes
-back when its request ends or leaves the queue unserved.
+every `fleet.poll_s` while its requests wait (docs/operate/fleet-state.md). Slots held for a
+tenant's queue go to whichever of its requests the queue serves next; a slot goes back when its
+request ends, or when the tenant has fewer requests queued than slots held for them.
 """
 
 from __future__ import annotations
@@ -476,7 +477,3 @@ def _waiter(ticket: Ticket) -> _Waiter:
     waiter = ticket.handle
     assert isinstance(waiter, _Waiter)
     return waiter
-
-
-def _serving_order(ticket: Ticket) -> tuple[int, float]:
-    return ticket.priority, ticket.enqueued_at
