@@ -434,6 +434,30 @@ class GatewaySettings(BaseSettings):
         gt=0,
         description="Longest wait for Redis per read or write; past it the read is a miss.",
     )
+    fleet_state: str = Field(
+        "off",
+        description="Where tenants' in-flight limits are counted: off (each process alone) or "
+        "redis://HOST:PORT/DB, shared by every replica and process; not the cache's Redis by "
+        "default (docs/operate/fleet-state.md).",
+    )
+    fleet_state_timeout_s: float = Field(
+        0.05,
+        gt=0,
+        description="Longest wait for Redis per admission; past it the process counts alone "
+        "until Redis answers again.",
+    )
+    fleet_state_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="A slot's lease in Redis, renewed while its request lasts: a crashed "
+        "replica's slots free after it.",
+    )
+    fleet_state_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="How often requests waiting for a tenant's slot (at its fleet-wide limit) "
+        "ask Redis again.",
+    )
     npu_smi: str = Field(
         "auto",
         description="NPU telemetry in /metrics: auto (npu-smi where installed, none without "
@@ -549,6 +573,13 @@ class GatewaySettings(BaseSettings):
         if store in ("off", "memory") or store.startswith(("redis://", "rediss://", "unix://")):
             return store
         raise ValueError(f"cache must be off, memory or a redis:// URL, not {store!r}")
+
+    @field_validator("fleet_state")
+    @classmethod
+    def _fleet_state(cls, where: str) -> str:
+        if where == "off" or where.startswith(("redis://", "rediss://", "unix://")):
+            return where
+        raise ValueError(f"fleet_state must be off or a redis:// URL, not {where!r}")
 
     @field_validator("workers", "worker_dns")
     @classmethod

@@ -35,6 +35,8 @@ from mineru_gateway.cache.service import build_result_cache
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError
+from mineru_gateway.fleet import build_fleet_slots
+from mineru_gateway.fleet.backlog import BacklogCollector
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import GatewayCollector, GatewayMetrics, QueueGauges
 from mineru_gateway.reload import CredentialWatcher
@@ -194,8 +196,11 @@ def build_dispatcher(
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
+    fleet = build_fleet_slots(settings)  # tenants' in-flight slots shared by every replica
     if siblings is None or table is None:
-        return Dispatcher(registry, FairQueue(limits), room, enabled=settings.flow_control)
+        return Dispatcher(
+            registry, FairQueue(limits), room, enabled=settings.flow_control, fleet=fleet
+        )
     tenants = siblings.group_tenants()
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
@@ -204,6 +209,7 @@ def build_dispatcher(
         room,
         enabled=settings.flow_control,
         coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),
+        fleet=fleet,
     )
     doorbell.listen(dispatcher.pump)
     return dispatcher
@@ -259,6 +265,9 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
         lambda: queue_gauges(context),
     )
     context.metrics_registry.register(collector)
+    context.metrics_registry.register(BacklogCollector(context.dispatcher))
+    if context.dispatcher.fleet is not None:
+        context.metrics_registry.register(context.dispatcher.fleet.collector())
     if context.results is not None:
         context.metrics_registry.register(context.results.collector())
     if telemetry is not None:
@@ -359,6 +368,7 @@ class Running:
         await self.discovery.start()
         await context.registry.start()
         self.watcher.start()
+        await context.dispatcher.start()
         if self.telemetry is not None:
             await self.telemetry.start()
         log.info(
@@ -396,6 +406,7 @@ class Running:
         if self.telemetry is not None:
             await self.telemetry.stop()
         await self.discovery.stop()
+        await context.dispatcher.stop()
         await context.registry.stop()
         await context.client.close()
         if context.results is not None:
