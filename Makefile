@@ -97,7 +97,7 @@ bench: install
 	$(BIN)/python benchmarks/metrics_cost.py --overhead benchmarks/results/gateway_overhead.json \
 		--out benchmarks/results/metrics_cost.json
 
-## Flow control against pass-through, same run (issue 13): the two-key flood (about 9 minutes),
+## Flow control against pass-through, same run: the two-key flood (about 9 minutes),
 ## offered load 0.5x-3x capacity (about 9), a single user's cost (about 5). benchmarks/results/.
 bench-flow: install
 	$(BIN)/python -m benchmarks.flow --scenario flood
@@ -122,7 +122,7 @@ bench-flow-vllm: install small-model
 		--set model=$(SMALL_MODEL) --out benchmarks/results/flow_vllm.json
 
 ## MinerU's own client (mineru-vl-utils 2.0.7, in its own virtualenv) parsing 100 pages through an
-## overloaded gateway (issue 13, measure 4; about 10 minutes). Results: benchmarks/results/.
+## overloaded gateway (about 10 minutes). Results: benchmarks/results/.
 MINERU_VL_UTILS_VENV ?= $(CACHE)/mineru-vl-utils-2.0.7
 mineru-vl-utils: install
 	$(BIN)/python -m benchmarks.mineru_client.client_venv --venv $(MINERU_VL_UTILS_VENV)
@@ -222,12 +222,12 @@ bench-thirdparty: install
 		$(BIN)/python -m benchmarks.thirdparty --out benchmarks/results/thirdparty.json
 
 ## Two gateway replicas, each sent half the traffic, against one gateway sent all of it, on the
-## same 4 simulated workers: identical workers and direct traffic (issue 15; about 40 minutes).
+## same 4 simulated workers: identical workers and direct traffic (about 40 minutes).
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
 
 ## One gateway of 2 processes (`serve --processes 2`) against one of one, direct traffic
-## (issue 16; about 12 minutes). Results: benchmarks/results/replicas_processes.*
+## (about 12 minutes). Results: benchmarks/results/replicas_processes.*
 bench-processes-routing: install
 	$(BIN)/python -m benchmarks.replicas --scenarios c \
 		--configurations one_gateway,one_gateway_2_processes --fractions 0.85,1.0,1.15 \
@@ -235,7 +235,7 @@ bench-processes-routing: install
 
 ## Ten minutes of mixed load with a fault every 50 s (workers killed, frozen, failing; slow,
 ## idle and vanishing clients): requests lost, the gateway's RSS and descriptors at start and end
-## (issue 14; about 12 minutes). Results: benchmarks/results/soak.{json,md}.
+## (about 12 minutes). Results: benchmarks/results/soak.{json,md}.
 bench-soak: install
 	$(BIN)/python -m benchmarks.soak --out benchmarks/results/soak.json
 

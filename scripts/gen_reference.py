@@ -124,8 +124,14 @@ Read by `mineru-gateway worker` and `mineru-gateway up --engine vllm` (flags win
 
 
 def gateway_families() -> list[Metric]:
-    """Every metric family a gateway's /metrics shows, NPU telemetry on, with no traffic yet."""
-    settings = GatewaySettings(npu_exporter_names=True, npu_smi="off")
+    """Every metric family a gateway's /metrics shows, every optional part on, no traffic yet."""
+    # Every optional part on (nothing is started: no Redis is reached), so its families show.
+    settings = GatewaySettings(
+        npu_exporter_names=True,
+        npu_smi="off",
+        cache="memory",
+        fleet_state="redis://127.0.0.1:6379/0",
+    )
     context = build_context(settings)
     register_metrics(context, NpuTelemetry(NpuSmiSource("npu-smi")))
     families = list(context.metrics_registry.collect())

@@ -128,7 +128,8 @@ def test_npu_telemetry_in_the_gateway_metrics(
 
 def test_npu_telemetry_is_off_by_default(start_sim: StartSim, start_gateway: StartGateway) -> None:
     gateway = start_gateway([start_sim(model_name="m")])
-    assert "npu_" not in httpx.get(gateway + "/metrics").text
+    text = httpx.get(gateway + "/metrics").text
+    assert "npu_chip_info_" not in text and "mineru_gateway_npu_" not in text
 
 
 def test_past_the_per_worker_limit_request_series_fold_into_one_and_gauges_stay() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,24 +75,6 @@ def test_in_json_mode_every_line_the_server_logs_is_json_and_sigterm_exits_0(
         gateway.stop()
     events = [line["event"] for line in _log_lines(log)]
     assert "server_listening" in events and events[-1] == "server_stopped"
-
-
-def test_an_address_it_cannot_bind_exits_3_with_the_reason_logged(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        gateway = CliProcess.mineru_gateway(
-            "serve", "--port", str(port), "--workers", "http://127.0.0.1:9"
-        )
-        log = tmp_path / "gateway.log"
-        proc = gateway.start(log_path=str(log))
-        try:
-            assert proc.wait(timeout=30) == 3
-        finally:
-            gateway.stop()
-    lines = _log_lines(log)
-    assert [line["port"] for line in lines if line["event"] == "cannot_listen"] == [port]
 
 
 def _health(port: int) -> bool:

@@ -66,13 +66,18 @@ def test_parse_wrk_without_the_hook_line_fails() -> None:
         parse_wrk("Requests/sec: 100\n")
 
 
-def test_wrk_script_posts_the_body_and_reports_with_the_mark() -> None:
+def test_wrk_script_posts_the_body_numbered_and_reports_with_the_mark() -> None:
     body = chat_body("m")
     script = wrk_script(body)
     assert 'wrk.method = "POST"' in script
-    assert f"[==[{body.decode()}]==]" in script
+    prefix, suffix = body.decode().split("Benchmark.")
+    assert f"[==[{prefix}Benchmark.]==]" in script
+    assert f"[==[{suffix}]==]" in script
+    assert "prefix .. count .. suffix" in script  # no two requests the same body
     assert RESULT_MARK in script
     assert json.loads(body)["model"] == "m"
+    numbered = json.loads(f"{prefix}Benchmark.17{suffix}")  # what wrk sends is JSON
+    assert numbered["messages"][0]["content"].startswith("Benchmark.17\n")
 
 
 def test_a_page_image_body_carries_a_png_the_gateway_reads_of_about_the_size_asked() -> None:
@@ -94,7 +99,9 @@ def test_a_page_image_body_carries_a_png_the_gateway_reads_of_about_the_size_ask
 
 def test_wrk_script_refuses_a_body_that_ends_the_long_string() -> None:
     with pytest.raises(ValueError):
-        wrk_script(b'{"a":"]==]"}')
+        wrk_script(b'{"a":"]==] Benchmark."}')
+    with pytest.raises(ValueError, match="number"):
+        wrk_script(b'{"a":"b"}')
 
 
 def test_nginx_config_has_both_upstreams_keepalive_and_local_paths(tmp_path: Path) -> None:

@@ -40,15 +40,30 @@ end
 """
 
 
+VARY = "Benchmark."  # where wrk numbers each request's body (`wrk_script`)
+
+
 def wrk_script(body: bytes) -> str:
-    """The Lua script wrk runs: every request the same POST of `body`."""
+    """The Lua script wrk runs: every request a POST of `body`, numbered after its first
+    `VARY` so that no two bodies are the same (a gateway coalescing identical greedy requests
+    would otherwise answer most of them from one worker request, docs/cache.md)."""
     text = body.decode()
     if "]==]" in text:
         raise ValueError("body would end the Lua long string")
+    at = text.find(VARY)
+    if at < 0:
+        raise ValueError(f"body has no {VARY!r} to number")
+    prefix, suffix = text[: at + len(VARY)], text[at + len(VARY) :]
     return (
         'wrk.method = "POST"\n'
-        f"wrk.body = [==[{text}]==]\n"
-        'wrk.headers["Content-Type"] = "application/json"\n' + _DONE.replace("MARK", RESULT_MARK)
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"local prefix = [==[{prefix}]==]\n"
+        f"local suffix = [==[{suffix}]==]\n"
+        "local count = 0\n"
+        "request = function()\n"
+        "  count = count + 1\n"
+        "  return wrk.format(nil, nil, nil, prefix .. count .. suffix)\n"
+        "end\n" + _DONE.replace("MARK", RESULT_MARK)
     )
 
 
@@ -56,7 +71,7 @@ def chat_body(model: str, max_tokens: int = 8, image_kb: int = 0, stream: bool =
     """The request every run sends: a short prompt; with `image_kb`, also a page image of about
     that many kilobytes as a base64 data URL, as MinerU's client sends pages; with `stream`, a
     streamed request."""
-    text = "Benchmark.\nText Recognition:"
+    text = f"{VARY}\nText Recognition:"
     content: Any = text
     if image_kb > 0:
         image = base64.b64encode(noise_png(image_kb)).decode()

@@ -2,7 +2,9 @@
 
 Every setting can be given as a `MINERU_GATEWAY_<NAME>` environment variable or as the matching
 `--<name>` flag of `mineru-gateway serve` (flags win). Lists take comma-separated values; tenants
-take JSON, or a TOML/JSON file (`tenants_file`), read here too, once, when settings are built.
+take JSON, or a TOML/JSON file (`tenants_file`), read here too. Key files and the tenants file
+are read when settings are built and again whenever they change on disk (reload.py): what they
+hold is a `Credentials` snapshot, swapped whole (docs/usage.md, "Reloading keys and tenants").
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import ipaddress
 import json
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -87,6 +90,29 @@ def read_tenants_file(path: Path) -> dict[str, TenantConfig]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: tenants must be a table/object of tenant names")
     return {name: TenantConfig.model_validate(table) for name, table in raw.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What the key files and the tenants file said at one reading: replaced whole on reload,
+    so a reader sees one reading or the next, never a mix."""
+
+    tenant_configs: dict[str, TenantConfig]
+    tenant_keys: dict[str, tuple[str, ...]]
+    client_keys: tuple[str, ...]
+    admin_keys: tuple[str, ...]
+
+
+def read_credentials(settings: GatewaySettings) -> Credentials:
+    """Reads every key file and the tenants file; raises ValueError or OSError on a bad one."""
+    from_file = read_tenants_file(settings.tenants_file) if settings.tenants_file else {}
+    configs = from_file | dict(settings.tenants)
+    tenant_keys = {name: tuple(config.all_keys()) for name, config in configs.items()}
+    client_keys = (*settings.api_keys, *read_key_files(settings.api_key_files))
+    admin_keys = (*settings.admin_keys, *read_key_files(settings.admin_key_files))
+    if set(client_keys).union(*tenant_keys.values()) & set(admin_keys):
+        raise ValueError("admin_keys must differ from every client key (api_keys, tenants)")
+    return Credentials(configs, tenant_keys, client_keys, admin_keys)
 
 
 def _is_loopback(host: str) -> bool:
@@ -439,6 +465,30 @@ class GatewaySettings(BaseSettings):
         gt=0,
         description="Longest wait for Redis per read or write; past it the read is a miss.",
     )
+    fleet_state: str = Field(
+        "off",
+        description="Where tenants' in-flight limits are counted: off (each process alone) or "
+        "redis://HOST:PORT/DB, shared by every replica and process; not the cache's Redis by "
+        "default (docs/operate/fleet-state.md).",
+    )
+    fleet_state_timeout_s: float = Field(
+        0.05,
+        gt=0,
+        description="Longest wait for Redis per admission; past it the process counts alone "
+        "until Redis answers again.",
+    )
+    fleet_state_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="A slot's lease in Redis, renewed while its request lasts: a crashed "
+        "replica's slots free after it.",
+    )
+    fleet_state_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="How often requests waiting for a tenant's slot (at its fleet-wide limit) "
+        "ask Redis again.",
+    )
     npu_smi: str = Field(
         "auto",
         description="NPU telemetry in /metrics: auto (npu-smi where installed, none without "
@@ -454,6 +504,26 @@ class GatewaySettings(BaseSettings):
         "",
         description="Which worker uses which NPU, for the NPU metrics: 0=http://w0:30001,1=...",
     )
+    tracing: bool = Field(
+        False,
+        description="Send OpenTelemetry spans of every request (OTLP, configured by the "
+        "standard OTEL_* variables: OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER, ...). "
+        "OTEL_EXPORTER_OTLP_ENDPOINT alone does not turn it on. Off or on, a client's "
+        "traceparent reaches the workers (docs/tracing.md).",
+    )
+    reload_interval_s: float = Field(
+        2.0,
+        gt=0,
+        le=5,
+        description="Between two looks at api_key_files, admin_key_files, tenants_file and the "
+        "tenants' key files: a change seen by two looks in a row takes effect, without a "
+        "restart (docs/usage.md).",
+    )
+    usage_prometheus_url: str | None = Field(
+        None,
+        description="The Prometheus that scrapes the gateway (http://prometheus:9090): with it, "
+        "GET /v1/usage?start=&end= answers for a time range (docs/usage.md).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: LogFormat = Field("json", description="json lines, or console for people.")
 
@@ -468,28 +538,39 @@ class GatewaySettings(BaseSettings):
         mode="before",
     )(_split_csv)
     _tenants_json = field_validator("tenants", mode="before")(_json_object)
-    _all_tenants: dict[str, TenantConfig] = PrivateAttr(default_factory=dict)
-    _tenant_keys: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
-    _client_keys: tuple[str, ...] = PrivateAttr(default=())
-    _admin_keys: tuple[str, ...] = PrivateAttr(default=())
+    _credentials: Credentials = PrivateAttr()
 
     def model_post_init(self, context: Any) -> None:
-        from_file = read_tenants_file(self.tenants_file) if self.tenants_file else {}
-        self._all_tenants = from_file | dict(self.tenants)
-        # Key files are read once, here: a secret rotated on disk takes a restart.
-        self._tenant_keys = {
-            name: tuple(config.all_keys()) for name, config in self._all_tenants.items()
-        }
-        self._client_keys = (*self.api_keys, *read_key_files(self.api_key_files))
-        self._admin_keys = (*self.admin_keys, *read_key_files(self.admin_key_files))
-        client_keys = set(self._client_keys).union(*self._tenant_keys.values())
-        if client_keys & set(self._admin_keys):
-            raise ValueError("admin_keys must differ from every client key (api_keys, tenants)")
+        self._credentials = read_credentials(self)
+
+    def reload_credentials(self) -> Credentials:
+        """Reads the key files and the tenants file again and, when they are good, makes them
+        the settings' from now on (one assignment: readers see the old or the new, whole).
+        Raises ValueError or OSError, keeping the old, when they are not."""
+        credentials = read_credentials(self)
+        self._credentials = credentials
+        return credentials
+
+    def credential_files(self) -> list[Path]:
+        """The files `reload_credentials` reads: key files, the tenants file and the key files
+        its tenants name."""
+        files = [*self.api_key_files, *self.admin_key_files]
+        if self.tenants_file is not None:
+            files.append(self.tenants_file)
+        for config in self._credentials.tenant_configs.values():
+            files.extend(config.key_files)
+        return files
+
+    @property
+    def credentials(self) -> Credentials:
+        """The key files' and tenants file's current reading."""
+        return self._credentials
 
     def open_access_refusal(self) -> str | None:
         """Why the gateway must not start: no client key at all on an address others reach,
         without `allow_no_auth`; None when it may."""
-        keyed = self._client_keys or any(self._tenant_keys.values())
+        credentials = self._credentials
+        keyed = credentials.client_keys or any(credentials.tenant_keys.values())
         if keyed or self.allow_no_auth or _is_loopback(self.host):
             return None
         return (
@@ -501,21 +582,21 @@ class GatewaySettings(BaseSettings):
     @property
     def tenant_keys(self) -> dict[str, tuple[str, ...]]:
         """Each named tenant's keys, its `keys` and the contents of its `key_files`."""
-        return dict(self._tenant_keys)
+        return dict(self._credentials.tenant_keys)
 
     @property
     def client_keys(self) -> tuple[str, ...]:
         """`api_keys` and the keys in `api_key_files` (tenants' own keys not included)."""
-        return self._client_keys
+        return self._credentials.client_keys
 
     @property
     def all_admin_keys(self) -> tuple[str, ...]:
-        return self._admin_keys
+        return self._credentials.admin_keys
 
     @property
     def tenant_configs(self) -> dict[str, TenantConfig]:
         """Tenants from `tenants_file` and `tenants`, by name."""
-        return dict(self._all_tenants)
+        return dict(self._credentials.tenant_configs)
 
     @field_validator("cache")
     @classmethod
@@ -523,6 +604,13 @@ class GatewaySettings(BaseSettings):
         if store in ("off", "memory") or store.startswith(("redis://", "rediss://", "unix://")):
             return store
         raise ValueError(f"cache must be off, memory or a redis:// URL, not {store!r}")
+
+    @field_validator("fleet_state")
+    @classmethod
+    def _fleet_state(cls, where: str) -> str:
+        if where == "off" or where.startswith(("redis://", "rediss://", "unix://")):
+            return where
+        raise ValueError(f"fleet_state must be off or a redis:// URL, not {where!r}")
 
     @field_validator("workers", "worker_dns")
     @classmethod

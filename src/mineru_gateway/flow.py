@@ -193,6 +193,15 @@ def _may_start(policy: TenantPolicy, everywhere: int) -> bool:
     return limit is None or everywhere < limit
 
 
+@dataclass(slots=True)
+class ModelQueue:
+    """The queued requests for one model."""
+
+    requests: int
+    cost: float  # estimated, in batch slots (cost.py)
+    oldest: float  # when the longest-waiting one arrived (the caller's clock)
+
+
 class FairQueue:
     """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
 
@@ -358,6 +367,14 @@ class FairQueue:
             return
         self._tenants.pop(state.policy.name, None)
 
+    def queued_tenants(self) -> list[tuple[TenantPolicy, int]]:
+        """Each tenant with requests queued, and how many."""
+        return [(s.policy, s.queued) for s in self._tenants.values() if s.queued]
+
+    def queued_of(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return state.queued if state else 0
+
     def in_flight(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
         return state.in_flight if state else 0
@@ -388,6 +405,19 @@ class FairQueue:
             for name, tickets in band.queues.items():
                 depth[(name, priority)] = (len(tickets), sum(t.size for t in tickets))
         return depth
+
+    def by_model(self) -> dict[str | None, ModelQueue]:
+        """What waits for each model: requests, their estimated cost, the oldest's arrival."""
+        found: dict[str | None, ModelQueue] = {}
+        for ticket in self.tickets():
+            queue = found.get(ticket.model)
+            if queue is None:
+                found[ticket.model] = ModelQueue(1, ticket.cost, ticket.enqueued_at)
+            else:
+                queue.requests += 1
+                queue.cost += ticket.cost
+                queue.oldest = min(queue.oldest, ticket.enqueued_at)
+        return found
 
     def in_flight_by_tenant(self) -> dict[str, int]:
         return {name: state.in_flight for name, state in self._tenants.items()}
@@ -453,3 +483,49 @@ class DrainRate:
         slot = min(slot, now + self.MAX_S)
         self._next_slot = slot + 1 / rate
         return max(self.FLOOR_S, slot - now)
+
+
+# -- how long the queue takes to drain ---------------------------------------------------------
+
+
+class CostDrain:
+    """Estimated cost finished per second, per model, over the last `window_s`: the pace at
+    which the fleet works a model's queue off (bounded memory).
+
+    `backlog` is the queue's cost over that pace, in seconds: what autoscaling follows
+    (docs/operate/autoscaling.md). The workers' own queues stay near empty while the gateway
+    holds the requests, so their `num_requests_waiting` cannot show it.
+    """
+
+    def __init__(
+        self, window_s: float = 30.0, min_span_s: float = 5.0, max_events: int = 4096
+    ) -> None:
+        self.window_s = window_s
+        self.min_span_s = min(min_span_s, window_s)
+        self._max_events = max_events
+        self._events: dict[str | None, deque[tuple[float, float]]] = {}
+
+    def record(self, model: str | None, cost: float, now: float) -> None:
+        events = self._events.get(model)
+        if events is None:
+            events = self._events[model] = deque(maxlen=self._max_events)
+        events.append((now, cost))
+
+    def rate(self, model: str | None, now: float) -> float:
+        events = self._events.get(model)
+        if not events:
+            return 0.0
+        while events and events[0][0] < now - self.window_s:
+            events.popleft()
+        if not events:
+            del self._events[model]
+            return 0.0
+        return sum(cost for _, cost in events) / max(now - events[0][0], self.min_span_s)
+
+    def backlog(self, queued: ModelQueue, model: str | None, now: float) -> float:
+        """Seconds to drain `queued` at the recent pace. With nothing finished lately, the
+        oldest request's wait so far: the queue has not drained for that long."""
+        rate = self.rate(model, now)
+        if rate > 0:
+            return queued.cost / rate
+        return max(0.0, now - queued.oldest)

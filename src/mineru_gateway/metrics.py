@@ -47,6 +47,7 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 Labels = tuple[str, ...]
 # Up to this many workers, a fleet's request and latency series are per worker by default.
 PER_WORKER_UP_TO = 64
+USAGE_LABELS = ("tenant", "model", "task")
 
 
 class WorkerLabels:
@@ -298,6 +299,50 @@ class GatewayMetrics:
             ("tenant", "kind"),
         )
     )
+    # Usage in MinerU's units, by tenant, model and MinerU task (prompts.PromptKind): requests
+    # that reached a worker (docs/usage.md). Every label is bounded by the configuration.
+    usage_requests: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_usage_requests",
+            "Requests that reached a worker, by tenant, model and MinerU task.",
+            USAGE_LABELS,
+        )
+    )
+    usage_pages: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_usage_pages",
+            "Pages: layout requests that reached a worker (one per page MinerU parses).",
+            USAGE_LABELS,
+        )
+    )
+    usage_images: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_usage_images",
+            "Images in requests that reached a worker, by tenant, model and MinerU task.",
+            USAGE_LABELS,
+        )
+    )
+    usage_tokens: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_usage_tokens",
+            "Prompt and completion tokens, by tenant, model, MinerU task and kind.",
+            (*USAGE_LABELS, "kind"),
+        )
+    )
+    usage_npu_seconds: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_usage_npu_seconds",
+            "Seconds workers held the requests (sent to answered), by tenant, model and task.",
+            USAGE_LABELS,
+        )
+    )
+    config_reloads: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_config_reload",
+            "Changes of the key files or the tenants file acted on: applied or refused.",
+            ("result",),
+        )
+    )
 
     # Whether the request, latency, token and routing series are per worker (module docstring).
     worker_labels: WorkerLabels = field(default_factory=WorkerLabels)
@@ -324,6 +369,12 @@ class GatewayMetrics:
             self.rejections,
             self.tenant_requests,
             self.tenant_tokens,
+            self.usage_requests,
+            self.usage_pages,
+            self.usage_images,
+            self.usage_tokens,
+            self.usage_npu_seconds,
+            self.config_reloads,
         )
 
 

@@ -112,6 +112,7 @@ class PromptEstimate:
     tokens: int
     kind: PromptKind
     has_image: bool
+    images: int = 0  # image parts (usage counts them: docs/usage.md)
 
 
 class Chat:
@@ -166,7 +167,7 @@ def estimate_chat(messages: list[Any] | Chat) -> PromptEstimate:
     texts = chat.texts
     for text in texts:
         tokens += text_tokens(text)
-    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), images > 0)
+    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), images > 0, images)
 
 
 def estimate_completion(prompt: Any) -> PromptEstimate:

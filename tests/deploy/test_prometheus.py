@@ -62,6 +62,7 @@ BURST_BATCH = 1  # with the minimum headroom of 2, three requests per worker
 BURST_QUEUE = 4
 CONCURRENCY = 8
 STOP_WORKER_AT = 0.6
+CACHE_BYTES = 4096  # a few answers: distinct ones evict older ones (the cache's panels)
 RATE_INTERVAL = "1m"
 _LABEL_VALUES = re.compile(r"^label_values\((.+), (\w+)\)$")
 _REGEX_SPECIAL = re.compile(r"([\\.+*?()\[\]{}|^$])")
@@ -99,6 +100,25 @@ async def send_burst(gateway: str, count: int) -> dict[int, int]:
     for response in responses:
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
     return statuses
+
+
+async def exercise_cache(gateway: str) -> None:
+    """Greedy requests, so the cache's panels have data: identical ones at once (one generation,
+    the rest coalesced), the same again one by one (hits), then distinct ones past the memory
+    cache's bound (evictions)."""
+
+    def body(text: str) -> dict[str, Any]:
+        message = {"role": "user", "content": f"{text}\nText Recognition:"}
+        return {"messages": [message], "max_tokens": 2048, "temperature": 0}  # ends with stop
+
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as client:
+        same = [client.post("/v1/chat/completions", json=body("same")) for _ in range(5)]
+        answers = list(await asyncio.gather(*same))
+        for index in range(12):
+            answers.append(await client.post("/v1/chat/completions", json=body("same")))
+            answers.append(await client.post("/v1/chat/completions", json=body(f"page {index}")))
+    labels = {response.headers.get("x-cache") for response in answers}
+    assert {"miss", "hit"} <= labels, labels
 
 
 def targets_up(prometheus: Prometheus, expected: int) -> bool:
@@ -139,6 +159,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             log_level="warning",
             batch_limit=BURST_BATCH,
             tenant_max_queued=BURST_QUEUE,
+            cache="memory",
+            cache_max_bytes=CACHE_BYTES,
         )
         gateway = servers.enter_context(serve(create_app(settings)))
         devices = dict(enumerate(workers))
@@ -167,6 +189,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         burst = asyncio.run(send_burst(gateway, BURST))
         assert burst.get(429, 0) > 0 and burst.get(200, 0) > BURST_QUEUE, burst
+        asyncio.run(exercise_cache(gateway))
         load_ended = time.time()
         wanted = {"MineruWorkerUnhealthy", "MineruWorkerMetricsDown"}
         wait_until(lambda: pending_alerts(prometheus, workers[-1]) >= wanted, 15, "alerts")

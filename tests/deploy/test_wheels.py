@@ -20,10 +20,11 @@ from packaging.utils import canonicalize_name
 from tests.deploy.support import ROOT
 
 PLATFORMS = ("manylinux2014_aarch64", "manylinux2014_x86_64")
-# The images' Python (python:3.11-slim, vLLM-Ascend's images) on Linux.
+# The images' Python (python:3.11-slim, vLLM-Ascend's images: a current 3.11 release, as the one
+# constraints.txt was resolved with) on Linux.
 TARGET = default_environment() | {
     "python_version": "3.11",
-    "python_full_version": "3.11.0",
+    "python_full_version": "3.11.7",
     "sys_platform": "linux",
     "platform_system": "Linux",
     "os_name": "posix",

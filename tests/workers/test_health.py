@@ -44,5 +44,7 @@ def test_a_probes_finding_is_heard_only_when_it_changes_something() -> None:
     health.set_health(worker, True, None)
     assert heard == []
     health.set_health(worker, False, "503")
+    assert worker.last_error == "503"
     health.set_health(worker, True, None)
-    assert len(heard) == 2 and worker.last_error == "503"
+    assert len(heard) == 2
+    assert worker.last_error is None  # healthy again: the old error is past

@@ -7,11 +7,14 @@ below read nothing else, so each is testable without servers (issue 12).
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 import structlog
 
 from mineru_gateway.cost import CostInputs, CostModel
 from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.values import value
 
 log = structlog.get_logger("mineru_gateway.access")
@@ -42,6 +45,8 @@ class ExchangeRecord:
     tenant: str = ""
     priority: int = 0
     queued_s: float = 0.0  # time spent in the gateway's queue
+    upstream_sent: float | None = None  # first sent to a worker
+    trace_id: str | None = None  # when tracing is on (docs/tracing.md)
 
     @property
     def ok(self) -> bool:
@@ -82,15 +87,17 @@ class Accounting:
     """What finished exchanges leave behind: metrics, counted through a ledger per kind of
     exchange, the cost model's lesson, and the access log. One per app (`GatewayContext`)."""
 
-    __slots__ = ("_ledgers", "cost_model", "metrics")
+    __slots__ = ("_ledgers", "cost_model", "metrics", "usage")
 
     def __init__(self, metrics: GatewayMetrics, cost_model: CostModel) -> None:
         self.metrics = metrics
         self.cost_model = cost_model
         self._ledgers: dict[LedgerKey, Ledger] = {}
+        self.usage = UsageMeter(metrics)
 
     def account(self, record: ExchangeRecord) -> None:
         self.record_metrics(record)
+        self.usage.count(record)
         learn_cost(self.cost_model, record)
         log_exchange(record)
 
@@ -193,6 +200,76 @@ class Ledger:
                 self.tenant_completion[0] += completion
 
 
+UsageKey = tuple[str, str, str]  # tenant, model, MinerU task
+
+
+class UsageMeter:
+    """Usage in MinerU's units (docs/usage.md): what reached a worker, by tenant, model and
+    MinerU task. Each kind's cells are found once, as the ledgers' are."""
+
+    __slots__ = ("_cells", "_metrics", "started")
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        self._cells: dict[UsageKey, tuple[list[float], ...]] = {}
+        self.started = time.time()  # usage counts from here (the process's start)
+
+    def count(self, record: ExchangeRecord) -> None:
+        sent = record.upstream_sent
+        if sent is None or record.worker is None or not record.tenant:
+            return  # refused, queued out, or a cache hit: no worker time spent
+        prompt = record.cost.prompt if record.cost is not None else None
+        task = prompt.kind.value if prompt is not None else PromptKind.OTHER.value
+        key = (record.tenant, record.model_label, task)
+        cells = self._cells.get(key)
+        if cells is None:
+            cells = self._cells[key] = self._find(key)
+        requests, pages, images, prompt_tokens, completion_tokens, npu_seconds = cells
+        requests[0] += 1.0
+        if task == PromptKind.LAYOUT.value:
+            pages[0] += 1.0
+        if prompt is not None:
+            images[0] += prompt.images
+        prompt_tokens[0] += record.prompt_tokens or 0
+        completion_tokens[0] += record.completion_tokens
+        # The time the worker held the request, first send to last byte (or the end).
+        held = (record.finished if record.finished is not None else record.ended) - sent
+        npu_seconds[0] += max(0.0, held)
+
+    def _find(self, key: UsageKey) -> tuple[list[float], ...]:
+        metrics = self._metrics
+        return (
+            metrics.usage_requests.cell(*key),
+            metrics.usage_pages.cell(*key),
+            metrics.usage_images.cell(*key),
+            metrics.usage_tokens.cell(*key, "prompt"),
+            metrics.usage_tokens.cell(*key, "completion"),
+            metrics.usage_npu_seconds.cell(*key),
+        )
+
+    def rows(self) -> list[dict[str, Any]]:
+        """This process's usage since it started, one row per (tenant, model, task)."""
+        rows = []
+        for (tenant, model, task), cells in sorted(self._cells.items()):
+            requests, pages, images, prompt_tokens, completion_tokens, npu_seconds = (
+                cell[0] for cell in cells
+            )
+            rows.append(
+                {
+                    "tenant": tenant,
+                    "model": model,
+                    "task": task,
+                    "requests": int(requests),
+                    "pages": int(pages),
+                    "images": int(images),
+                    "prompt_tokens": int(prompt_tokens),
+                    "completion_tokens": int(completion_tokens),
+                    "npu_seconds": round(npu_seconds, 6),
+                }
+            )
+        return rows
+
+
 def learn_cost(cost_model: CostModel, record: ExchangeRecord) -> None:
     """A complete answer teaches the cost model how long answers of its class are."""
     if record.cost is not None and record.ok and record.status == 200:
@@ -222,4 +299,5 @@ def log_exchange(record: ExchangeRecord) -> None:
         queued_ms=round(record.queued_s * 1000, 2),
         latency_ms=round((record.ended - record.received) * 1000, 2),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
+        trace_id=record.trace_id,
     )

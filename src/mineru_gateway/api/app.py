@@ -30,10 +30,13 @@ from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
 from mineru_gateway.api.tenants import TenantDirectory
+from mineru_gateway.api.usage import add_usage_route
 from mineru_gateway.cache.service import build_result_cache
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError
+from mineru_gateway.fleet import build_fleet_slots
+from mineru_gateway.fleet.backlog import BacklogCollector
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import (
     PER_WORKER_UP_TO,
@@ -41,6 +44,7 @@ from mineru_gateway.metrics import (
     GatewayMetrics,
     QueueGauges,
 )
+from mineru_gateway.reload import CredentialWatcher
 from mineru_gateway.routing import LoadModel, make_policy
 from mineru_gateway.siblings import READER, Siblings
 from mineru_gateway.telemetry import (
@@ -50,6 +54,7 @@ from mineru_gateway.telemetry import (
     parse_device_workers,
     register_npu_metrics,
 )
+from mineru_gateway.tracing.setup import start_tracing, stop_tracing
 from mineru_gateway.workers.coordination import Shared
 from mineru_gateway.workers.discovery import DnsDiscovery
 from mineru_gateway.workers.dispatcher import Dispatcher
@@ -210,8 +215,11 @@ def build_dispatcher(
         min_headroom=settings.batch_headroom_min,
         load=load_model,
     )
+    fleet = build_fleet_slots(settings)  # tenants' in-flight slots shared by every replica
     if siblings is None or table is None:
-        return Dispatcher(registry, FairQueue(limits), room, enabled=settings.flow_control)
+        return Dispatcher(
+            registry, FairQueue(limits), room, enabled=settings.flow_control, fleet=fleet
+        )
     tenants = siblings.group_tenants()
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
@@ -220,6 +228,7 @@ def build_dispatcher(
         room,
         enabled=settings.flow_control,
         coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),
+        fleet=fleet,
     )
     doorbell.listen(dispatcher.pump)
     return dispatcher
@@ -275,6 +284,9 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
         lambda: queue_gauges(context),
     )
     context.metrics_registry.register(collector)
+    context.metrics_registry.register(BacklogCollector(context.dispatcher))
+    if context.dispatcher.fleet is not None:
+        context.metrics_registry.register(context.dispatcher.fleet.collector())
     if context.results is not None:
         context.metrics_registry.register(context.results.collector())
     if telemetry is not None:
@@ -338,6 +350,7 @@ def create_app(
     for path, relay in relays.items():
         app.router.routes.append(Route(path, relay, methods=["POST"]))
     app.include_router(control_routes)
+    add_usage_route(app)
     add_error_handlers(app)
     gateway = GatewayApp(app, relays, request_limits(settings))  # the lifespan's sibling view
     return gateway
@@ -357,9 +370,12 @@ class Running:
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
         self.listeners: list[Listener] = []
+        self.watcher = CredentialWatcher(settings, context.tenants, context.metrics.config_reloads)
 
     async def start(self, gateway: GatewayApp) -> None:
         context, settings = self.context, self.settings
+        if settings.tracing:
+            start_tracing()
         if context.rolling is not None:
             context.lifecycle.on_rolling_restart(_start_rolling(context.rolling))
         register_metrics(context, self.telemetry)
@@ -370,6 +386,8 @@ class Running:
         await context.client.start()
         await self.discovery.start()
         await context.registry.start()
+        self.watcher.start()
+        await context.dispatcher.start()
         if self.telemetry is not None:
             await self.telemetry.start()
         log.info(
@@ -401,17 +419,21 @@ class Running:
         context = self.context
         for listener in self.listeners:
             await listener.stop()
+        await self.watcher.stop()
         if context.rolling is not None:
             await context.rolling.stop()
         if self.telemetry is not None:
             await self.telemetry.stop()
         await self.discovery.stop()
+        await context.dispatcher.stop()
         await context.registry.stop()
         await context.client.close()
         if context.results is not None:
             await context.results.close()
         if context.siblings is not None:
             await context.siblings.close()
+        if self.settings.tracing:
+            await stop_tracing()
 
 
 def _start_rolling(rolling: RollingRestart) -> Callable[[], None]:

@@ -26,11 +26,12 @@ import itertools
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
 
+from mineru_gateway import tracing
 from mineru_gateway.api.accounting import ExchangeRecord
 from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.api.connection import ClientLink
@@ -60,6 +61,9 @@ from mineru_gateway.workers.dispatcher import Admission
 from mineru_gateway.workers.registry import SUCCESS, Lease, Outcome
 from mineru_gateway.workers.upstream import UpstreamResponse
 
+if TYPE_CHECKING:
+    from mineru_gateway.tracing.spans import RequestTrace
+
 Scope = MutableMapping[str, Any]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -69,6 +73,7 @@ PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v
 # One streamed token, as vLLM writes it: a chat delta with content, or a completion's text.
 TOKEN_MARKERS: dict[Endpoint, bytes] = {"chat": b'{"content":', "completions": b'"text":'}
 USAGE_MARKER = b'"usage":{'
+TRACE_HEADERS = (b"traceparent", b"tracestate")  # W3C trace context
 # The start of an event held back for its end is sent as it is past this (no event of vLLM's is
 # near it): what a worker that never ends an event can make the relay hold.
 MAX_HELD_EVENT = 1024 * 1024
@@ -99,6 +104,7 @@ class Exchange:
         "streaming",
         "tenant",
         "tokens",
+        "trace",
         "upstream_sent",
         "usage",
         "worker",
@@ -132,6 +138,7 @@ class Exchange:
         self.queued_s = 0.0
         self._itl: Series | None = None
         self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer's head (X-Cache)
+        self.trace: RequestTrace | None = None  # when tracing is on (docs/tracing.md)
 
     async def start(
         self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
@@ -249,6 +256,8 @@ class Exchange:
             self.tenant,
             self.priority,
             self.queued_s,
+            self.upstream_sent,
+            self.trace.trace_id if self.trace is not None else None,
         )
 
 
@@ -274,6 +283,10 @@ class Relay:
         headers = dict(scope["headers"])
         link = ClientLink.of(scope)
         exchange = Exchange(send, self._ids.take(headers), self.endpoint, link)
+        if tracing.ENABLED:
+            from mineru_gateway.tracing.spans import RequestTrace
+
+            exchange.trace = RequestTrace(headers, self.path)
         request: ParsedRequest | None = None
         outcome = "ok"
         try:
@@ -300,6 +313,8 @@ class Relay:
                 len(request.body),
                 request.model,
             )
+            if exchange.trace is not None:
+                exchange.trace.admitted(tenant.name, request)
             upstream_headers = _upstream_headers(context, headers, exchange.request_id)
             run = functools.partial(self._proxy, context, request, admission, upstream_headers)
             if results is not None and request.cache_tag is not None:
@@ -328,7 +343,10 @@ class Relay:
             log.exception("unhandled_error", request_id=exchange.request_id, path=self.path)
             await exchange.fail(GatewayError("internal gateway error"))
         finally:
-            context.accounting.account(exchange.record(request, outcome))
+            record = exchange.record(request, outcome)
+            context.accounting.account(record)
+            if exchange.trace is not None:
+                exchange.trace.finish(record)
 
     async def _proxy(
         self,
@@ -338,8 +356,12 @@ class Relay:
         headers: dict[str, str],
         exchange: Exchange,
     ) -> None:
+        if exchange.trace is not None:
+            exchange.trace.queue_started()
         grant = await context.dispatcher.acquire(admission)
         exchange.queued_s = grant.queued_s
+        if exchange.trace is not None:
+            exchange.trace.queue_ended(grant.lease.worker.url)
         tried: list[str] = []
         try:
             while True:
@@ -374,8 +396,13 @@ class Relay:
                 exchange.upstream_sent - exchange.received
             )
         outcome: Outcome | None = SUCCESS  # None: the attempt says nothing about the worker
+        trace = exchange.trace
+        if trace is not None:
+            headers = trace.attempt_started(worker.url, exchange.attempts, headers)
         try:
             upstream = await context.client.post(worker.url + self.path, request.body, headers)
+            if trace is not None:
+                trace.relay_started(upstream.status)
             try:
                 await _relay_response(upstream, exchange, context.metrics, request, lease)
             finally:
@@ -405,6 +432,8 @@ class Relay:
         finally:
             if outcome is not None:
                 context.registry.report(worker, outcome)
+            if trace is not None:
+                trace.attempt_ended(outcome)
 
 
 async def _relay_response(
@@ -547,6 +576,13 @@ def _upstream_headers(
     context: GatewayContext, headers: dict[bytes, bytes], request_id: str
 ) -> dict[str, str]:
     forwarded = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    # W3C trace context passes through as the client sent it, so a worker's spans (vLLM's
+    # --otlp-traces-endpoint) join the client's trace; with tracing on, each attempt's span
+    # replaces `traceparent` (docs/tracing.md).
+    for name in TRACE_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            forwarded[name.decode()] = value.decode("latin-1")
     authorization = upstream_authorization(
         context.settings, headers.get(b"authorization"), context.tenants.keys_required
     )

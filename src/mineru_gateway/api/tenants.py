@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 
 from mineru_gateway.api.auth import bearer_match
-from mineru_gateway.config import GatewaySettings
+from mineru_gateway.config import Credentials, GatewaySettings
 from mineru_gateway.errors import AuthenticationFailed
 from mineru_gateway.flow import TenantPolicy
 
@@ -23,19 +23,34 @@ DEFAULT_TENANT = "default"
 
 
 class TenantDirectory:
-    def __init__(self, settings: GatewaySettings) -> None:
-        def policy(name: str) -> TenantPolicy:
-            return TenantPolicy(
-                name,
-                max_queued=settings.tenant_max_queued,
-                max_queued_bytes=settings.tenant_max_queued_bytes,
-                max_in_flight=settings.tenant_max_in_flight,
-            )
+    """Keys to tenants, rebuilt whole by `refresh` when the key files or the tenants file change
+    (reload.py): a request keeps the TenantPolicy it authenticated with."""
 
-        self._by_key: dict[bytes, TenantPolicy] = {}
-        for key in settings.client_keys:
-            self._by_key[key.encode()] = policy(_key_name(key))
-        for name, config in settings.tenant_configs.items():
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+        self.default = self._policy(DEFAULT_TENANT)
+        self._by_key = self._table(settings.credentials)
+
+    def refresh(self) -> None:
+        """Takes the settings' current credentials; one assignment, so `authenticate` sees the
+        old table or the new one."""
+        self._by_key = self._table(self._settings.credentials)
+
+    def _policy(self, name: str) -> TenantPolicy:
+        settings = self._settings
+        return TenantPolicy(
+            name,
+            max_queued=settings.tenant_max_queued,
+            max_queued_bytes=settings.tenant_max_queued_bytes,
+            max_in_flight=settings.tenant_max_in_flight,
+        )
+
+    def _table(self, credentials: Credentials) -> dict[bytes, TenantPolicy]:
+        settings = self._settings
+        by_key: dict[bytes, TenantPolicy] = {}
+        for key in credentials.client_keys:
+            by_key[key.encode()] = self._policy(_key_name(key))
+        for name, config in credentials.tenant_configs.items():
             named = TenantPolicy(
                 name,
                 weight=config.weight,
@@ -45,9 +60,9 @@ class TenantDirectory:
                 max_queued_bytes=_either(config.max_queued_bytes, settings.tenant_max_queued_bytes),
                 max_in_flight=_either(config.max_in_flight, settings.tenant_max_in_flight),
             )
-            for key in settings.tenant_keys[name]:
-                self._by_key[key.encode()] = named
-        self.default = policy(DEFAULT_TENANT)
+            for key in credentials.tenant_keys[name]:
+                by_key[key.encode()] = named
+        return by_key
 
     @property
     def keys_required(self) -> bool:
@@ -66,9 +81,10 @@ class TenantDirectory:
     def authenticate(self, authorization: bytes | None) -> TenantPolicy:
         """The tenant whose key `authorization` bears (`Bearer <key>`); the default tenant when
         the gateway checks no keys. Raises AuthenticationFailed."""
-        if not self._by_key:
+        by_key = self._by_key
+        if not by_key:
             return self.default
-        found = bearer_match(authorization, self._by_key.items())
+        found = bearer_match(authorization, by_key.items())
         if found is None:
             raise AuthenticationFailed("missing or invalid API key (Authorization: Bearer <key>)")
         return found

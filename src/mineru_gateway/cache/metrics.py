@@ -14,6 +14,8 @@ from prometheus_client.registry import Collector
 
 from mineru_gateway.metrics import Counter
 
+ERROR_REASONS = ("timeout", "unavailable", "corrupt")
+
 
 def _counter(name: str, doc: str, *labels: str) -> Callable[[], Counter]:
     return lambda: Counter(f"mineru_gateway_cache_{name}", doc, labels)
@@ -56,6 +58,11 @@ class CacheMetrics:
             "tenant",
         )
     )
+
+    def __post_init__(self) -> None:
+        # Every reason from the start, at zero: a rate over them is 0, not "no data".
+        for reason in ERROR_REASONS:
+            self.errors.inc(reason, amount=0.0)
 
     def all(self) -> tuple[Counter, ...]:
         return (

@@ -104,6 +104,7 @@ class ResultCache:
         capture = Capture()
         exchange = Exchange(capture.send, leader.request_id, leader.endpoint)
         exchange.tenant, exchange.priority = tenant, leader.priority
+        exchange.trace = leader.trace  # its queue wait and attempts join the leader's trace
         await run(exchange)
         sent = exchange.upstream_sent
         worker_s = time.perf_counter() - sent if sent is not None else 0.0

@@ -14,6 +14,13 @@ client (taken out of the queue at once).
 
 With sibling processes (`serve --processes N`) every decision also goes through `coordination`
 (coordination.py): the one place the dispatcher meets the other processes.
+
+With fleet state (`fleet`, fleet/slots.py), a request of a tenant with `max_in_flight` also needs
+one of the tenant's slots in Redis, shared by every replica, before it may go to a worker: taken
+as it arrives (one round trip), or, when the tenant is at its limit fleet-wide, asked for again
+every `fleet.poll_s` while its requests wait (docs/operate/fleet-state.md). Slots held for a
+tenant's queue go to whichever of its requests the queue serves next; a slot goes back when its
+request ends, or when the tenant has fewer requests queued than slots held for them.
 """
 
 from __future__ import annotations
@@ -24,7 +31,16 @@ from collections.abc import Callable
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
-from mineru_gateway.flow import DrainRate, FairQueue, Rejected, RoomPolicy, TenantPolicy, Ticket
+from mineru_gateway.fleet.slots import FleetSlots, Permit
+from mineru_gateway.flow import (
+    CostDrain,
+    DrainRate,
+    FairQueue,
+    Rejected,
+    RoomPolicy,
+    TenantPolicy,
+    Ticket,
+)
 from mineru_gateway.routing import WorkerView
 from mineru_gateway.values import value
 from mineru_gateway.workers.coordination import ALONE, Coordination
@@ -46,20 +62,29 @@ class Admission:
 class Grant:
     """A request's lease on a worker, plus its ticket's accounting; `release()` ends both."""
 
-    __slots__ = ("_dispatcher", "lease", "queued_s", "ticket")
+    __slots__ = ("_dispatcher", "lease", "permit", "queued_s", "ticket")
 
     def __init__(
-        self, dispatcher: Dispatcher, ticket: Ticket, lease: Lease, queued_s: float
+        self,
+        dispatcher: Dispatcher,
+        ticket: Ticket,
+        lease: Lease,
+        queued_s: float,
+        permit: Permit | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self.ticket = ticket
         self.lease = lease
         self.queued_s = queued_s
+        self.permit = permit  # the tenant's fleet-wide slot, if it needs one
 
     def release(self) -> None:
         if not self.lease.released:
-            self._dispatcher.queue.done(self.ticket)
-            self._dispatcher.drain_rate.record(self._dispatcher.now())
+            dispatcher = self._dispatcher
+            dispatcher.queue.done(self.ticket)
+            dispatcher.finished(self.ticket)
+            dispatcher.give_back(self.permit)
+            self.permit = None
             self.lease.release()  # the registry tells the dispatcher: pump
 
 
@@ -82,15 +107,23 @@ class Dispatcher:
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
         coordination: Coordination = ALONE,
+        fleet: FleetSlots | None = None,
     ) -> None:
         """`coordination`: how decisions agree with the sibling processes (coordination.py);
-        `ALONE` for a gateway of one process."""
+        `ALONE` for a gateway of one process. `fleet`: tenants' in-flight slots shared by
+        every replica; None counts them in this process only."""
         self.registry = registry
         self.coordination = coordination
+        self.fleet = fleet
         self.queue = queue
         self.room = room
         self.enabled = enabled
         self.drain_rate = DrainRate()
+        self.cost_drain = CostDrain()
+        self._seeking: asyncio.Task[None] | None = None  # `_seek_slots`, while it runs
+        # Tenant -> fleet-wide slots held for its queued requests: a tenant's slots are alike,
+        # so the one its queue serves next takes one, whichever request brought it.
+        self._spare: dict[str, list[Permit]] = {}
         self._clock = clock
         self._pumping = False
         self._closed: GatewayError | None = None
@@ -101,16 +134,113 @@ class Dispatcher:
     def now(self) -> float:
         return self._clock()
 
+    def finished(self, ticket: Ticket) -> None:
+        """A dispatched request ended: the pace the fleet works the queue off."""
+        now = self._clock()
+        self.drain_rate.record(now)
+        self.cost_drain.record(ticket.model, ticket.cost, now)
+
+    async def start(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.start()
+
+    async def stop(self) -> None:
+        if self._seeking is not None:
+            self._seeking.cancel()
+            await asyncio.gather(self._seeking, return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.close()
+
     # -- the relay's side -----------------------------------------------------------------
     async def acquire(self, admission: Admission) -> Grant:
         """A lease on a worker for this request: at once if one has room and nobody waits,
         else when the fair queue serves it. Raises Overloaded, NoHealthyWorker, ModelNotFound
         or ShuttingDown."""
-        with self.coordination.deciding():
-            now = self._now_or_ticket(admission)
-        return now if isinstance(now, Grant) else await self._wait(now, admission)
+        permit = await self._take_slot(admission.tenant)
+        try:
+            with self.coordination.deciding():
+                now = self._now_or_ticket(admission, permit)
+        except BaseException:
+            self.give_back(permit)
+            raise
+        return now if isinstance(now, Grant) else await self._wait(now, admission, permit)
 
-    def _now_or_ticket(self, admission: Admission) -> Grant | Ticket:
+    # -- fleet-wide slots -----------------------------------------------------------------
+    def _needs_slot(self, tenant: TenantPolicy) -> bool:
+        return self.fleet is not None and self.enabled and tenant.max_in_flight is not None
+
+    async def _take_slot(self, tenant: TenantPolicy) -> Permit | None:
+        """The tenant's fleet-wide slot, if it needs one and one is free now (one round trip)."""
+        if self.fleet is None or not self._needs_slot(tenant):
+            return None
+        taken = await self.fleet.take(tenant, 1)
+        return taken[0] if taken else None
+
+    def give_back(self, permit: Permit | None) -> None:
+        if permit is not None and self.fleet is not None:
+            self.fleet.release(permit)
+
+    def _has_slot(self, ticket: Ticket) -> bool:
+        return not self._needs_slot(ticket.tenant) or bool(self._spare.get(ticket.name))
+
+    def _spare_slot(self, ticket: Ticket) -> Permit | None:
+        """One of the slots held for the tenant's queue, for `ticket`, about to be served."""
+        spare = self._spare.get(ticket.name)
+        if not spare:
+            return None
+        permit = spare.pop()
+        if not spare:
+            del self._spare[ticket.name]
+        return permit
+
+    def _keep_spare(self, tenant: str, permits: list[Permit]) -> None:
+        """Slots for the tenant's queued requests; more than it has queued go back."""
+        if permits:
+            self._spare.setdefault(tenant, []).extend(permits)
+        self._trim_spare(tenant)
+
+    def _trim_spare(self, tenant: str) -> None:
+        spare = self._spare.get(tenant)
+        if spare is None:
+            return
+        while len(spare) > self.queue.queued_of(tenant):
+            self.give_back(spare.pop())
+        if not spare:
+            del self._spare[tenant]
+
+    def _seek_slots(self) -> None:
+        """Queued requests of tenants at their fleet-wide limit ask for slots until they have
+        them (one task for all)."""
+        if self._seeking is None:
+            self._seeking = asyncio.get_running_loop().create_task(self._seeking_slots())
+
+    async def _seeking_slots(self) -> None:
+        try:
+            while (wanting := self._wanting_slots()) and self.fleet is not None:
+                short = False
+                for tenant, wanted in wanting:
+                    permits = await self.fleet.take(tenant, wanted)
+                    self._keep_spare(tenant.name, permits)
+                    short = short or len(permits) < wanted
+                self.pump()
+                if short:
+                    await asyncio.sleep(self.fleet.poll_s)
+        finally:
+            self._seeking = None
+
+    def _wanting_slots(self) -> list[tuple[TenantPolicy, int]]:
+        """Each tenant whose queued requests lack slots, and how many it lacks (up to its
+        limit)."""
+        wanting = []
+        for tenant, queued in self.queue.queued_tenants():
+            if self._needs_slot(tenant):
+                limit = tenant.max_in_flight or 0
+                lacking = min(queued, limit) - len(self._spare.get(tenant.name, ()))
+                if lacking > 0:
+                    wanting.append((tenant, lacking))
+        return wanting
+
+    def _now_or_ticket(self, admission: Admission, permit: Permit | None) -> Grant | Ticket:
         """A grant at once, or the ticket the request queues with."""
         offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
         if self._closed is not None:
@@ -126,24 +256,29 @@ class Dispatcher:
         if not self.enabled:
             worker = self.registry.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
+        slotted = permit is not None or not self._needs_slot(admission.tenant)
         if (
             offer.roomy
+            and slotted
             and self.queue.is_idle()
             and self.queue.may_start(admission.tenant)
             and not self._gives_way(ticket, offer.views)
         ):
             worker = self.registry.choose_among(offer.views)
-            return self._grant(ticket, worker, admission, 0.0, unqueued=True)
+            return self._grant(ticket, worker, admission, 0.0, unqueued=True, permit=permit)
         return ticket
 
-    async def _wait(self, ticket: Ticket, admission: Admission) -> Grant:
+    async def _wait(self, ticket: Ticket, admission: Admission, permit: Permit | None) -> Grant:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(admission, future)
         ticket.handle = waiter
         try:
             shed = self.queue.push(ticket)
         except Rejected as rejected:
+            self.give_back(permit)
             raise self._overloaded(rejected.why, str(rejected)) from None
+        if permit is not None:
+            self._keep_spare(ticket.name, [permit])
         for victim in shed:
             self._fail(victim, self._overloaded("queue_full", "the gateway's queue is full"))
         if not ticket.queued:
@@ -151,6 +286,8 @@ class Dispatcher:
         waiter.timer = asyncio.get_running_loop().call_later(
             self.queue.limits.max_wait_s, self._expire, ticket
         )
+        if self._needs_slot(ticket.tenant):
+            self._seek_slots()
         self.pump()
         try:
             return await future
@@ -164,8 +301,11 @@ class Dispatcher:
         untried worker is left."""
         with self.coordination.deciding():
             worker = self.registry.choose(admission.model, exclude, self.room)
+            permit, grant.permit = grant.permit, None  # the request keeps its slot
             grant.release()
-            return self._grant(grant.ticket, worker, admission, grant.queued_s, unqueued=True)
+            return self._grant(
+                grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
+            )
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Grant]) -> None:
         """The waiter went away (its client disconnected): leave the queue at once, or give
@@ -174,8 +314,13 @@ class Dispatcher:
         if future.done() and not future.cancelled() and future.exception() is None:
             future.result().release()
         else:
-            self.queue.remove(ticket)
+            self._remove(ticket)
             self._withdrawn()
+
+    def _remove(self, ticket: Ticket) -> None:
+        """Takes a ticket out of the queue unserved; its fleet-wide slot goes back."""
+        self.queue.remove(ticket)
+        self._trim_spare(ticket.name)
 
     def _withdrawn(self) -> None:
         """A request left the queue unserved: the head posted for the siblings may be it."""
@@ -238,7 +383,11 @@ class Dispatcher:
         roomy, models = self.registry.roomy_models(self.room)
         if not roomy:
             return False
-        ticket = self.queue.next(lambda ticket: ticket.model is None or ticket.model in models)
+        ticket = self.queue.next(
+            lambda ticket: (
+                (ticket.model is None or ticket.model in models) and self._has_slot(ticket)
+            )
+        )
         if ticket is None:
             return False
         offer = self.registry.offer(ticket.model, self.room)
@@ -249,12 +398,14 @@ class Dispatcher:
         if waiter.future.done():
             # Its task was cancelled in this very instant (the client left) and has not run its
             # handler yet: it must not be served.
-            self.queue.remove(ticket)
+            self._remove(ticket)
             return True
         self.queue.pop(ticket)
         worker = self.registry.choose_among(offer.views)
         queued_s = self._clock() - ticket.enqueued_at
-        waiter.future.set_result(self._grant(ticket, worker, waiter.admission, queued_s))
+        permit = self._spare_slot(ticket)
+        grant = self._grant(ticket, worker, waiter.admission, queued_s, permit=permit)
+        waiter.future.set_result(grant)
         return True
 
     def _fail_unservable(self) -> None:
@@ -276,10 +427,12 @@ class Dispatcher:
         queued_s: float,
         *,
         unqueued: bool = False,
+        permit: Permit | None = None,
     ) -> Grant:
         if unqueued:
             self.queue.start_unqueued(ticket.tenant)
-        return Grant(self, ticket, self.registry.acquire(worker, admission.cost), queued_s)
+        lease = self.registry.acquire(worker, admission.cost)
+        return Grant(self, ticket, lease, queued_s, permit)
 
     # -- ending waits that will not be served -------------------------------------------
     def _expire(self, ticket: Ticket) -> None:
@@ -289,7 +442,7 @@ class Dispatcher:
         self._fail(ticket, self._overloaded("queue_timeout", f"waited {wait:g} s in the queue"))
 
     def _fail(self, ticket: Ticket, error: GatewayError) -> None:
-        self.queue.remove(ticket)
+        self._remove(ticket)
         self._withdrawn()
         self._stop_timer(ticket)
         waiter = _waiter(ticket)
