@@ -14,7 +14,7 @@ ARGS ?=
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
 	bench-flow-vllm mineru-vl-utils \
-	bench-mineru-client bench-soak bench-cache vllm-router wrk-nginx clean
+	bench-mineru-client bench-soak bench-cache bench-fleet vllm-router wrk-nginx clean
 
 NO_PYTHON = $(if $(PYTHON),PYTHON=$(PYTHON) is not,none of python3.11-python3.14 or python3 is)
 check-python:
@@ -225,6 +225,11 @@ bench-thirdparty: install
 ## same 4 simulated workers: identical workers and direct traffic (about 40 minutes).
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
+
+## What a fleet of 8 to 1,024 (fake) workers costs one gateway replica at rest and per request,
+## with 1 and 4 processes (about 10 minutes). Results: benchmarks/results/fleet.*
+bench-fleet: install
+	$(BIN)/python -m benchmarks.fleet --out benchmarks/results/fleet.json
 
 ## One gateway of 2 processes (`serve --processes 2`) against one of one, direct traffic
 ## (about 12 minutes). Results: benchmarks/results/replicas_processes.*

@@ -74,8 +74,9 @@ def test_the_default_budget_keeps_each_worker_under_its_gets(workers: int) -> No
     together: within the per-worker budget, so 4 replicas make each worker answer under 6
     GETs/s, and within the fleet's."""
     registry = registry_of(workers, Budget(per_worker=1.25, fleet=200))
-    probes = (1 + 2.0 / MODELS_EVERY_S) / registry.probe_period(workers)
-    reads = 1 / registry.read_period(workers)
+    period, every = registry.visit_plan(workers)  # a read each visit, a probe each `every`
+    probes = (1 + 2.0 / MODELS_EVERY_S) / (every * period)
+    reads = 1 / period
     assert probes + reads <= 1.25 + 1e-9
     assert 4 * (probes + reads) < 6
     assert workers * (probes + reads) <= 200 + 1e-9

@@ -18,7 +18,6 @@ processes, one process reads and probes for all and the others take what it foun
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -248,19 +247,23 @@ class WorkerRegistry:
         for sweep in self._sweeps:
             sweep.start()
 
+    def visit_plan(self, workers: int) -> tuple[float, int]:
+        """Seconds between two visits of each worker, and every how many visits it is probed:
+        the reads no more often than `read_period`, the probes than `probe_period`."""
+        reads, probes = self.read_period(workers), self.probe_period(workers)
+        every = max(1, round(probes / reads))
+        return max(reads, probes / every), every
+
     def _visit_period(self, workers: int) -> float:
-        return min(self.read_period(workers), self.probe_period(workers))
+        return self.visit_plan(workers)[0]
 
     async def _visit(self, worker: Worker) -> None:
         """A worker's turn: its probe when due, then its load read, one after the other on
         the same connection (a connection made costs the gateway more than the GET: with a
         large fleet a worker's turn comes after its keep-alive has lapsed)."""
-        workers = len(self.membership.by_url)
-        visits = self._visit_period(workers)
-        # Every k-th visit, k the fewest that keeps the probes within their period's budget.
-        every = math.ceil(self.probe_period(workers) / visits - 0.01) * visits
+        period, every = self.visit_plan(len(self.membership.by_url))
         probed = worker.last_checked
-        if probed is None or time.time() - probed >= every - visits / 2:
+        if probed is None or time.time() - probed >= (every - 0.5) * period:
             await self.checks.probe(worker, time.monotonic())
         if worker.healthy:
             await self.read_load(worker)
