@@ -1,0 +1,3 @@
+from benchmarks.fleet.bench import main
+
+main()
