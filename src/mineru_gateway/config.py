@@ -181,20 +181,20 @@ class GatewaySettings(BaseSettings):
         description="Worker queue figures older than this are ignored for routing (at least two "
         "read periods, when the GET budget stretches them).",
     )
-    max_worker_gets_per_s: float | None = Field(
+    max_worker_gets_per_s: float = Field(
         1.25,
         gt=0,
         description="GETs per second each worker answers from this gateway (all its processes: "
         "one reads and probes for all): /health, /v1/models every 30 s, and /metrics reads "
-        "with what is left, so load_interval_s is stretched to fit. 4 replicas: 5 GETs/s per "
-        "worker (docs/operate/fleet-scale.md). Unset: no limit.",
+        "with what is left, so load_interval_s is stretched to fit. 4 replicas: at most 5 GETs/s "
+        "per worker (docs/operate/fleet-scale.md).",
     )
-    max_fleet_gets_per_s: float | None = Field(
+    max_fleet_gets_per_s: float = Field(
         200.0,
         gt=0,
         description="GETs per second this gateway sends to all its workers together, half for "
         "probes and half for load reads: with many workers each is read and probed less often, "
-        "so the gateway's idle CPU stays bounded (docs/operate/fleet-scale.md). Unset: no limit.",
+        "so the gateway's idle CPU stays bounded (docs/operate/fleet-scale.md).",
     )
     routing_sample: int = Field(
         8,
