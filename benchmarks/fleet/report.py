@@ -21,13 +21,16 @@ WHY = """\
 
 - **A decision** draws a few workers with room (docs/operate/fleet-scale.md), so its time does
   not follow W; at W=8 the index costs a few microseconds more than a walk of eight workers.
-- **CPU per request** with one process stays within a few percent of W=8. With 4 processes on
-  this 2-core machine, shared with other jobs, the 4 processes, the fleet and the client
-  contend for the cores and the per-request figures move from run to run by more than W moves
-  them: compare them with each other, not with the 1-process column. Each process connects to
-  each worker it sends to; the unmeasured requests first make those connections, and with
-  many workers and few requests per second a process's connection to a worker can lapse
-  (keep-alive 4 s) and be made again.
+- **CPU per request** with one process does not grow with W. With 4 processes it does, and
+  the cause is not the decision: each process keeps its own keep-alive connection to each
+  worker it sends to (4 s), and with 4 processes x 1,024 workers the benchmark's request rate
+  brings one process's requests to one worker several seconds apart, so most requests make a
+  connection first (the requests per second fall with W in that column for the same reason).
+  Traffic that keeps 1,024 workers busy sends each pair more often than the benchmark's few
+  hundred requests per second; choosing, among the drawn workers, one the process holds a
+  connection to would remove the rest (not done). On this 2-core machine, shared with other
+  jobs, the 4 processes, the fleet and the client also contend for the cores: the rounds of
+  one run differ by up to a third.
 - **Idle CPU** is mostly the reads and probes: `MAX_FLEET_GETS_PER_S` GETs per second at most,
   a worker's probe and read on one connection (usually made afresh: a worker's turn comes
   after its keep-alive lapsed), whatever W. With several processes, each of the others takes
