@@ -182,12 +182,13 @@ class GatewaySettings(BaseSettings):
         "read periods, when the GET budget stretches them).",
     )
     max_worker_gets_per_s: float = Field(
-        1.25,
+        6.0,
         gt=0,
         description="GETs per second each worker answers from this gateway (all its processes: "
         "one reads and probes for all): /health, /v1/models every 30 s, and /metrics reads "
-        "with what is left, so load_interval_s is stretched to fit. 4 replicas: at most 5 GETs/s "
-        "per worker (docs/operate/fleet-scale.md).",
+        "with what is left, so load_interval_s is stretched to fit. The default keeps a small "
+        "fleet's reads at load_interval_s; with many workers max_fleet_gets_per_s bounds each "
+        "worker's share far below it (docs/operate/fleet-scale.md).",
     )
     max_fleet_gets_per_s: float = Field(
         200.0,
