@@ -75,6 +75,9 @@ SUMMED_GAUGES = frozenset(
         "mineru_gateway_queue_requests",
         "mineru_gateway_queue_bytes",
         "mineru_gateway_tenant_requests_in_flight",
+        "mineru_gateway_queue_depth",
+        "mineru_gateway_fleet_state_slots",
+        "mineru_gateway_cache_bytes",  # each process holds its own memory cache
     }
 )
 EARLIEST_GAUGES = frozenset({"mineru_gateway_start_time_seconds"})
