@@ -155,7 +155,7 @@ class ClientLink:
                 return
         if self.started:
             raise RuntimeError("the answer has already started")
-        content = _head_start(status, protocol.edge.default_headers)
+        content = _head_start(status, protocol.edge.default_head)
         for name, value in headers:
             if _BAD_VALUE.search(value):
                 raise RuntimeError(f"invalid value of header {name!r}")
@@ -242,7 +242,7 @@ class ClientLink:
     def _start(self, protocol: GatewayHttpProtocol, status: int, headers: Any) -> None:
         """Writes the head of an answer given through `send`; raises, with nothing written, on
         a header uvicorn would refuse."""
-        content = _head_start(status, protocol.edge.default_headers)
+        content = _head_start(status, protocol.edge.default_head)
         length: int | None = None
         chunked = close = False
         for name, value in headers:
@@ -361,7 +361,7 @@ class Edge:
         "app",
         "app_state",
         "connections",
-        "default_headers",
+        "default_head",
         "tasks",
         "timeouts",
         "total_requests",
@@ -374,14 +374,15 @@ class Edge:
         self.connections: set[GatewayHttpProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.total_requests = 0
-        self.default_headers: list[tuple[bytes, bytes]] = []
+        self.default_head = b""
         self.set_date(None)
 
     def set_date(self, now: float | None) -> None:
         """The `date` header from `now` (seconds since the epoch; None: the current time). The
-        server calls it once a second: formatting it per answer would cost each request."""
+        server calls it once a second: formatting it, or joining the default headers' lines,
+        per answer would cost each request."""
         date = formatdate(now, usegmt=True).encode()
-        self.default_headers = [(b"date", date), SERVER_HEADER]
+        self.default_head = b"date: %b\r\n%b: %b\r\n" % (date, *SERVER_HEADER)
 
 
 class GatewayHttpProtocol(asyncio.Protocol):
@@ -711,7 +712,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         and dropped, and the connection closes when the client does or LINGER_S later (what
         nginx calls a lingering close)."""
         body = error.body_bytes()
-        content = _head_start(error.status, self.edge.default_headers)
+        content = _head_start(error.status, self.edge.default_head)
         content += (
             b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
             % (len(body), body),
@@ -848,10 +849,7 @@ def _address(info: Any) -> tuple[str, int] | None:
     return None
 
 
-def _head_start(status: int, default_headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """An answer's status line and the server's default headers (`date`, `server`), as the
-    pieces of a head the caller goes on to add to and join."""
-    content = [_STATUS_LINES[status]]
-    for name, value in default_headers:
-        content += (name, b": ", value, b"\r\n")
-    return content
+def _head_start(status: int, default_head: bytes) -> list[bytes]:
+    """An answer's status line and the server's default headers' lines (`Edge.default_head`),
+    as the pieces of a head the caller goes on to add to and join."""
+    return [_STATUS_LINES[status], default_head]
