@@ -102,12 +102,14 @@ class ClientLink:
         "head_only",
         "keep_alive",
         "left_to_send",
+        "loop",
         "more_body",
         "started",
     )
 
     def __init__(self, protocol: GatewayHttpProtocol, keep_alive: bool, head_only: bool) -> None:
         self._protocol: GatewayHttpProtocol | None = protocol  # None once the answer is over
+        self.loop = protocol.loop  # the connection's: no lookup of the running loop per request
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._waiter: asyncio.Future[None] | None = None

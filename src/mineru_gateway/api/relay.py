@@ -483,7 +483,9 @@ async def _until_done_or_disconnect(
     the loss through the client's link (api/connection.py); under any other server, a task
     parked in `receive` watches for it.
     """
-    task = asyncio.current_task()
+    # The link's loop where there is one: on Python 3.11 each lookup of the running loop is a
+    # getpid() system call.
+    task = asyncio.current_task(link.loop if link is not None else None)
     assert task is not None
     left = False
 
