@@ -70,7 +70,7 @@ _INTERNAL_ERROR_HEADERS = [
     (b"content-length", b"21"),
 ]
 
-SERVER_HEADER = (b"server", b"mineru-gateway")
+SERVER_LINE = b"server: mineru-gateway\r\n"  # on every answer, after its date
 _PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Every status line, as uvicorn's protocol writes them: an unknown status has an empty reason.
 _STATUS_LINES = {
@@ -384,7 +384,7 @@ class Edge:
         server calls it once a second: formatting it, or joining the default headers' lines,
         per answer would cost each request."""
         date = formatdate(now, usegmt=True).encode()
-        self.default_head = b"date: %b\r\n%b: %b\r\n" % (date, *SERVER_HEADER)
+        self.default_head = b"date: %b\r\n%b" % (date, SERVER_LINE)
 
 
 class GatewayHttpProtocol(asyncio.Protocol):
