@@ -96,18 +96,20 @@ class Accounting:
         self.usage = UsageMeter(metrics)
 
     def account(self, record: ExchangeRecord) -> None:
-        self.record_metrics(record)
-        self.usage.count(record)
+        ledger = self.record_metrics(record)
+        self.usage.count(record, ledger.model)
         learn_cost(self.cost_model, record)
         log_exchange(record)
 
-    def record_metrics(self, record: ExchangeRecord) -> None:
+    def record_metrics(self, record: ExchangeRecord) -> Ledger:
+        """Counts `record` in its kind's ledger; the ledger."""
         model = record.model_label
         key = (record.endpoint, model, record.worker, record.status, record.outcome, record.tenant)
         ledger = self._ledgers.get(key)
         if ledger is None:
             ledger = self._ledgers[key] = Ledger(self.metrics, record)
         ledger.count(record)
+        return ledger
 
     @property
     def kinds(self) -> int:
@@ -125,11 +127,11 @@ class Ledger:
 
     __slots__ = (
         "_metrics",
-        "_model",
         "_tenant",
         "_worker",
         "completion",
         "e2e",
+        "model",
         "prompt",
         "queue_wait",
         "rejections",
@@ -142,10 +144,10 @@ class Ledger:
 
     def __init__(self, metrics: GatewayMetrics, record: ExchangeRecord) -> None:
         self._metrics = metrics
-        self._model, self._worker, tenant = record.model_label, record.worker or "", record.tenant
+        self.model, self._worker, tenant = record.model_label, record.worker or "", record.tenant
         self._tenant = tenant
         self.requests = metrics.requests.cell(
-            record.endpoint, self._model, self._worker, record.status_label, record.outcome
+            record.endpoint, self.model, self._worker, record.status_label, record.outcome
         )
         # Per-tenant series; tenant names are bounded by the configuration (api/tenants.py). A
         # request refused before it was known whose it was (a bad key, say) has none.
@@ -171,7 +173,7 @@ class Ledger:
             self.rejections[0] += 1.0
         if self.queue_wait is not None:
             self.queue_wait.observe(record.queued_s)
-        metrics, model, worker, tenant = self._metrics, self._model, self._worker, self._tenant
+        metrics, model, worker, tenant = self._metrics, self.model, self._worker, self._tenant
         if record.finished is not None and record.ok:
             if self.e2e is None:
                 self.e2e = metrics.e2e.series(model, worker)
@@ -214,27 +216,32 @@ class UsageMeter:
         self._cells: dict[UsageKey, tuple[list[float], ...]] = {}
         self.started = time.time()  # usage counts from here (the process's start)
 
-    def count(self, record: ExchangeRecord) -> None:
-        sent = record.upstream_sent
-        if sent is None or record.worker is None or not record.tenant:
+    def count(self, record: ExchangeRecord, model: str) -> None:
+        """`model`: the record's model label, as its ledger has it."""
+        sent, tenant = record.upstream_sent, record.tenant
+        if sent is None or record.worker is None or not tenant:
             return  # refused, queued out, or a cache hit: no worker time spent
-        prompt = record.cost.prompt if record.cost is not None else None
-        task = prompt.kind.value if prompt is not None else PromptKind.OTHER.value
-        key = (record.tenant, record.model_label, task)
-        cells = self._cells.get(key)
+        cost = record.cost
+        prompt = None if cost is None else cost.prompt
+        # The kind is its task's label itself (a StrEnum, hashed and compared as its str):
+        # reading `.value` is a Python-level property call.
+        task = PromptKind.OTHER if prompt is None else prompt.kind
+        cells = self._cells.get((tenant, model, task))
         if cells is None:
+            key = (tenant, model, task.value)  # kept with a plain str, as `rows` gives it
             cells = self._cells[key] = self._find(key)
         requests, pages, images, prompt_tokens, completion_tokens, npu_seconds = cells
         requests[0] += 1.0
-        if task == PromptKind.LAYOUT.value:
+        if task == PromptKind.LAYOUT:
             pages[0] += 1.0
-        if prompt is not None:
+        if prompt is not None and prompt.images:
             images[0] += prompt.images
         prompt_tokens[0] += record.prompt_tokens or 0
         completion_tokens[0] += record.completion_tokens
         # The time the worker held the request, first send to last byte (or the end).
         held = (record.finished if record.finished is not None else record.ended) - sent
-        npu_seconds[0] += max(0.0, held)
+        if held > 0:
+            npu_seconds[0] += held
 
     def _find(self, key: UsageKey) -> tuple[list[float], ...]:
         metrics = self._metrics

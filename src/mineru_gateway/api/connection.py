@@ -70,7 +70,7 @@ _INTERNAL_ERROR_HEADERS = [
     (b"content-length", b"21"),
 ]
 
-SERVER_HEADER = (b"server", b"mineru-gateway")
+SERVER_LINE = b"server: mineru-gateway\r\n"  # on every answer, after its date
 _PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Every status line, as uvicorn's protocol writes them: an unknown status has an empty reason.
 _STATUS_LINES = {
@@ -102,12 +102,14 @@ class ClientLink:
         "head_only",
         "keep_alive",
         "left_to_send",
+        "loop",
         "more_body",
         "started",
     )
 
     def __init__(self, protocol: GatewayHttpProtocol, keep_alive: bool, head_only: bool) -> None:
         self._protocol: GatewayHttpProtocol | None = protocol  # None once the answer is over
+        self.loop = protocol.loop  # the connection's: no lookup of the running loop per request
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -155,7 +157,7 @@ class ClientLink:
                 return
         if self.started:
             raise RuntimeError("the answer has already started")
-        content = _head_start(status, protocol.edge.default_headers)
+        content = _head_start(status, protocol.edge.default_head)
         for name, value in headers:
             if _BAD_VALUE.search(value):
                 raise RuntimeError(f"invalid value of header {name!r}")
@@ -242,7 +244,7 @@ class ClientLink:
     def _start(self, protocol: GatewayHttpProtocol, status: int, headers: Any) -> None:
         """Writes the head of an answer given through `send`; raises, with nothing written, on
         a header uvicorn would refuse."""
-        content = _head_start(status, protocol.edge.default_headers)
+        content = _head_start(status, protocol.edge.default_head)
         length: int | None = None
         chunked = close = False
         for name, value in headers:
@@ -361,7 +363,7 @@ class Edge:
         "app",
         "app_state",
         "connections",
-        "default_headers",
+        "default_head",
         "tasks",
         "timeouts",
         "total_requests",
@@ -374,14 +376,15 @@ class Edge:
         self.connections: set[GatewayHttpProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.total_requests = 0
-        self.default_headers: list[tuple[bytes, bytes]] = []
+        self.default_head = b""
         self.set_date(None)
 
     def set_date(self, now: float | None) -> None:
         """The `date` header from `now` (seconds since the epoch; None: the current time). The
-        server calls it once a second: formatting it per answer would cost each request."""
+        server calls it once a second: formatting it, or joining the default headers' lines,
+        per answer would cost each request."""
         date = formatdate(now, usegmt=True).encode()
-        self.default_headers = [(b"date", date), SERVER_HEADER]
+        self.default_head = b"date: %b\r\n%b" % (date, SERVER_LINE)
 
 
 class GatewayHttpProtocol(asyncio.Protocol):
@@ -711,7 +714,7 @@ class GatewayHttpProtocol(asyncio.Protocol):
         and dropped, and the connection closes when the client does or LINGER_S later (what
         nginx calls a lingering close)."""
         body = error.body_bytes()
-        content = _head_start(error.status, self.edge.default_headers)
+        content = _head_start(error.status, self.edge.default_head)
         content += (
             b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
             % (len(body), body),
@@ -848,10 +851,7 @@ def _address(info: Any) -> tuple[str, int] | None:
     return None
 
 
-def _head_start(status: int, default_headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """An answer's status line and the server's default headers (`date`, `server`), as the
-    pieces of a head the caller goes on to add to and join."""
-    content = [_STATUS_LINES[status]]
-    for name, value in default_headers:
-        content += (name, b": ", value, b"\r\n")
-    return content
+def _head_start(status: int, default_head: bytes) -> list[bytes]:
+    """An answer's status line and the server's default headers' lines (`Edge.default_head`),
+    as the pieces of a head the caller goes on to add to and join."""
+    return [_STATUS_LINES[status], default_head]

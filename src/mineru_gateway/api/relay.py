@@ -73,7 +73,6 @@ PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v
 # One streamed token, as vLLM writes it: a chat delta with content, or a completion's text.
 TOKEN_MARKERS: dict[Endpoint, bytes] = {"chat": b'{"content":', "completions": b'"text":'}
 USAGE_MARKER = b'"usage":{'
-TRACE_HEADERS = (b"traceparent", b"tracestate")  # W3C trace context
 # The start of an event held back for its end is sent as it is past this (no event of vLLM's is
 # near it): what a worker that never ends an event can make the relay hold.
 MAX_HELD_EVENT = 1024 * 1024
@@ -484,7 +483,9 @@ async def _until_done_or_disconnect(
     the loss through the client's link (api/connection.py); under any other server, a task
     parked in `receive` watches for it.
     """
-    task = asyncio.current_task()
+    # The link's loop where there is one: on Python 3.11 each lookup of the running loop is a
+    # getpid() system call.
+    task = asyncio.current_task(link.loop if link is not None else None)
     assert task is not None
     left = False
 
@@ -578,11 +579,12 @@ def _upstream_headers(
     forwarded = {"Content-Type": "application/json", "X-Request-Id": request_id}
     # W3C trace context passes through as the client sent it, so a worker's spans (vLLM's
     # --otlp-traces-endpoint) join the client's trace; with tracing on, each attempt's span
-    # replaces `traceparent` (docs/tracing.md).
-    for name in TRACE_HEADERS:
-        value = headers.get(name)
-        if value is not None:
-            forwarded[name.decode()] = value.decode("latin-1")
+    # replaces `traceparent` (docs/tracing.md). Two lookups, not a loop: per request.
+    traceparent, tracestate = headers.get(b"traceparent"), headers.get(b"tracestate")
+    if traceparent is not None:
+        forwarded["traceparent"] = traceparent.decode("latin-1")
+    if tracestate is not None:
+        forwarded["tracestate"] = tracestate.decode("latin-1")
     authorization = upstream_authorization(
         context.settings, headers.get(b"authorization"), context.tenants.keys_required
     )

@@ -83,8 +83,9 @@ class Grant:
             dispatcher = self._dispatcher
             dispatcher.queue.done(self.ticket)
             dispatcher.finished(self.ticket)
-            dispatcher.give_back(self.permit)
-            self.permit = None
+            if self.permit is not None:
+                dispatcher.give_back(self.permit)
+                self.permit = None
             self.lease.release()  # the registry tells the dispatcher: pump
 
 
@@ -156,7 +157,8 @@ class Dispatcher:
         """A lease on a worker for this request: at once if one has room and nobody waits,
         else when the fair queue serves it. Raises Overloaded, NoHealthyWorker, ModelNotFound
         or ShuttingDown."""
-        permit = await self._take_slot(admission.tenant)
+        # Without fleet state no slot is taken: no coroutine to make and await for one.
+        permit = None if self.fleet is None else await self._take_slot(admission.tenant)
         try:
             with self.coordination.deciding():
                 now = self._now_or_ticket(admission, permit)

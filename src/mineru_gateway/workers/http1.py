@@ -367,6 +367,9 @@ class Http1Pool:
     KEYS_PER_SLOT = 16
 
     def __init__(self, connect_timeout_s: float, keepalive_s: float) -> None:
+        # Made on the loop it serves (its connections are that loop's), and kept: on Python
+        # 3.11 each lookup of the running loop is a getpid() system call.
+        self._loop = asyncio.get_running_loop()
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
         self._idle: dict[Slot, list[_Connection]] = {}
@@ -385,7 +388,7 @@ class Http1Pool:
         headers did not come within `deadline_s` (a connection made in that time included)."""
         key = self._key(url)
         head = _request_head(method, key, headers, body)
-        with Deadline(deadline_s):
+        with Deadline(deadline_s, self._loop):
             connection = self._take_idle(key) or await self._connect(key)
             self._busy.add(connection)
             try:
@@ -405,8 +408,7 @@ class Http1Pool:
         connection.idle_since = time.monotonic()
         self._idle.setdefault(connection.slot, []).append(connection)
         if self._sweep is None:
-            loop = asyncio.get_running_loop()
-            self._sweep = loop.call_later(self._keepalive_s, self._close_stale)
+            self._sweep = self._loop.call_later(self._keepalive_s, self._close_stale)
 
     def close(self) -> None:
         for connection in [*self._busy, *(c for idle in self._idle.values() for c in idle)]:
@@ -496,9 +498,10 @@ class Deadline:
 
     __slots__ = ("_fired", "_handle", "_task")
 
-    def __init__(self, seconds: float) -> None:
-        # The loop once: on Python 3.11 each lookup of the running loop is a getpid() call.
-        loop = asyncio.get_running_loop()
+    def __init__(self, seconds: float, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """`loop`: the running loop, if the caller has it (on Python 3.11 each lookup of the
+        running loop is a getpid() call)."""
+        loop = loop or asyncio.get_running_loop()
         task = asyncio.current_task(loop)
         assert task is not None
         self._task = task
