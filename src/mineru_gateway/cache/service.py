@@ -11,6 +11,7 @@ worker writes them (docs/cache.md, "Streams").
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -153,13 +154,19 @@ class Capture:
             self.status = message["status"]
             for name, content in message["headers"]:
                 if name == b"content-type":
-                    self.content_type = content.decode("latin-1")
+                    self.content_type = _content_type(content)
         else:
             self._parts.append(message.get("body", b""))
 
     @property
     def body(self) -> bytes:
         return b"".join(self._parts)
+
+
+@functools.lru_cache(maxsize=16)
+def _content_type(raw: bytes) -> str:
+    """One string per content type, not one per kept answer."""
+    return raw.decode("latin-1")
 
 
 async def _give(
