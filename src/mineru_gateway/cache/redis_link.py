@@ -34,8 +34,9 @@ _BULK, _SIMPLE, _ERROR, _INTEGER = b"$+-:"
 class RedisLink:
     """One lazily opened connection to the Redis a URL names."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, connect_timeout_s: float = 1.0) -> None:
         self._target = _Target.parse(url)
+        self._connect_timeout_s = connect_timeout_s
         self._protocol: _Replies | None = None
         self._opening: asyncio.Future[_Replies] | None = None
 
@@ -70,6 +71,10 @@ class RedisLink:
         return await asyncio.shield(self._opening)
 
     async def _connect(self) -> _Replies:
+        async with asyncio.timeout(self._connect_timeout_s):  # a host that never answers
+            return await self._handshake()
+
+    async def _handshake(self) -> _Replies:
         loop = asyncio.get_running_loop()
         target = self._target
         if target.path is not None:

@@ -122,7 +122,7 @@ class RedisStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # One bounded try, then a miss (module docstring): the link never retries.
-        self._redis = RedisLink(url)
+        self._redis = RedisLink(url, connect_timeout_s=timeout_s)
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._timeout_s = timeout_s
         self._metrics = metrics
