@@ -20,7 +20,12 @@ NOTES = """\
 - A hit's latency is from the request's first byte written to the answer's last byte read, one
   request at a time on one keep-alive connection; "in process" splits the gateway's part of it.
 - Memory bound: distinct answers of about 1.2 kB each through the memory cache, many times its
-  bound; the overhead is the peak RSS minus the RSS before the first answer minus the bound.
+  bound, one tenant given the whole cache; the overhead is the peak RSS minus the RSS before
+  the first answer minus the bound. The bound counts each answer's body and what the entry
+  costs beyond it (`OVERHEAD_BYTES`, cache/answers.py).
+- MinerU's client: the wall time of a pass is the client's own work (resizing and encoding each
+  page and block, on the same shared cores) plus waiting for answers; its CPU is the client
+  process's own. A second pass answered from the cache leaves the first of the two.
 """
 
 
@@ -160,13 +165,14 @@ def _memory(memory: dict[str, Any]) -> list[str]:
 def _mineru(mineru: dict[str, Any]) -> list[str]:
     lines = [
         f"## MinerU's own client ({mineru['client']}), the same {mineru['pages']} pages twice,"
-        " memory cache",
+        f" memory cache (simulated workers at time scale {mineru['sim_time_scale']})",
         "",
-        "| pass | pages completed | worker requests | wall s |",
-        "|---|---|---|---|",
+        "| pass | pages completed | worker requests | wall s | client CPU s |",
+        "|---|---|---|---|---|",
     ]
     for number, p in enumerate(mineru["passes"], 1):
         lines.append(
             f"| {number} | {p['pages_completed']} | {p['worker_requests']} | {p['wall_s']} |"
+            f" {p['client_cpu_s']} |"
         )
     return [*lines, ""]

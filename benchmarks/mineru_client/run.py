@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -264,6 +265,7 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
         passes = []
         for _ in range(run.passes):
             before = arrived(workers)
+            cpu = _children_cpu_s()
             started = time.perf_counter()
             with (log_dir / "driver.stderr").open("wb") as stderr:
                 done = subprocess.run(
@@ -279,11 +281,12 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
             if done.returncode != 0:
                 tail = (log_dir / "driver.stderr").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"driver failed ({done.returncode}) in {run.name}:\n{tail}")
-            passes.append((json.loads(done.stdout), arrived(workers) - before, elapsed))
+            client_cpu = _children_cpu_s() - cpu
+            passes.append((json.loads(done.stdout), arrived(workers) - before, elapsed, client_cpu))
         metrics = scrape(gateway)
     finally:
         stand.stop()
-    client, _, elapsed = passes[0]
+    client, _, elapsed, _ = passes[0]
     accounted = client["pages_completed"] + client["pages_failed"]
     return {
         "name": run.name,
@@ -318,13 +321,22 @@ def arrived(workers: list[str]) -> int:
     return total
 
 
-def _pass(client: dict[str, Any], worker_requests: int, elapsed: float) -> dict[str, Any]:
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children: the client's, around one pass."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _pass(
+    client: dict[str, Any], worker_requests: int, elapsed: float, client_cpu: float
+) -> dict[str, Any]:
     return {
         "pages_completed": client["pages_completed"],
         "pages_failed": client["pages_failed"],
         "worker_requests": worker_requests,
         "wall_s": client["wall_s"],
         "driver_wall_s": round(elapsed, 3),
+        "client_cpu_s": round(client_cpu, 3),
     }
 
 
