@@ -9,8 +9,8 @@ scheduling. Pure: no I/O.
 The canonical form is orjson's dump of the parsed body with its keys sorted, so the same request
 gives the same key whatever the order or spacing of its JSON. Dumping costs little next to
 hashing: a page request is megabytes of base64 image, and the hash reads every byte of it on
-every request, hit or miss. So the hash is BLAKE3, a cryptographic hash several times faster than
-sha256 on the same core (docs/cache.md, "Keys"); it stays cryptographic because with
+every request, hit or miss. So the hash is BLAKE3, a cryptographic hash faster than sha256 on
+the same core (docs/cache.md, "Keys"); it stays cryptographic because with
 `cache_scope=shared` one tenant's request must not be able to collide with another's.
 """
 
