@@ -1,9 +1,13 @@
 """Coalescing and the result cache on the simulator (`make bench-cache`, docs/cache.md).
 
-(a) a batch of pages sent twice: the second pass's worker requests and wall time against the
-first's; (b) a batch with a fifth duplicates, and 100 identical requests at once: worker
-requests against requests sent; (c) a cache hit's latency for a 2 MB page request, memory and
-Redis, against the worker's answer; (d) small-request CPU of the gateway with the cache off and
-with it on but every request a miss, in the same run. Every server is its own process
-(`mineru-gateway sim`, `mineru-gateway serve`, `redis-server`).
+Small requests: the gateway's CPU and latency with the cache and coalescing off, coalescing alone
+(the defaults), the memory cache and Redis, every request a miss, in the same run. A hit's
+latency for a 2 MB page request, memory and Redis, against the worker's answer, and where the
+gateway's part of it goes. A batch of pages sent twice; duplicates in a batch and 100 identical
+requests at once. One Redis behind two replicas and behind `serve --processes 2`. The gateway's
+RSS while 100,000 distinct answers go through the memory cache. MinerU's own client parsing the
+same pages twice (benchmarks/mineru_client). Every server is its own process (`mineru-gateway
+sim`, `mineru-gateway serve`, `redis-server`).
+
+    python -m benchmarks.cache --out benchmarks/results/cache.json
 """

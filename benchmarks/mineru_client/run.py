@@ -6,6 +6,10 @@ on `--pages` synthetic pages, reads the gateway's /metrics, and stops everything
 does every page complete when the gateway sheds with 429 + Retry-After, which the client retries?
 
     python -m benchmarks.mineru_client --pages 100 --out benchmarks/results/flow_mineru_client.json
+
+The run `memory_cache_two_passes` (not among the defaults; benchmarks/cache runs it) parses the
+same batch twice, a new client process each time, through a gateway with the memory cache, and
+counts the worker requests of each pass: a second pass should need none (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -46,6 +51,7 @@ class Run:
     max_concurrency: int = 100
     max_retries: int = 3
     api_key: bool = False
+    passes: int = 1  # the same batch parsed again, by a new client process each time
 
 
 RUNS = {
@@ -98,9 +104,16 @@ RUNS = {
             mode="windows",
             max_concurrency=16,
         ),
+        Run(
+            "memory_cache_two_passes",
+            "the same batch parsed twice through a gateway with the memory cache",
+            ("--cache", "memory"),
+            passes=2,
+        ),
     )
 }
-DEFAULT_RUNS = tuple(RUNS)
+# The flow-control runs; `memory_cache_two_passes` is the cache benchmark's (benchmarks/cache).
+DEFAULT_RUNS = tuple(name for name, run in RUNS.items() if run.passes == 1)
 
 
 def free_port() -> int:
@@ -249,25 +262,31 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
         ]
         env = os.environ | {"MINERU_VL_API_KEY": API_KEY if run.api_key else ""}
         env.pop("MINERU_VL_MODEL_NAME", None)
-        started = time.perf_counter()
-        with (log_dir / "driver.stderr").open("wb") as stderr:
-            done = subprocess.run(
-                [str(python), str(DRIVER), *driver_argv],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                timeout=args.run_timeout_s,
-                check=False,
-            )
-        elapsed = time.perf_counter() - started
+        passes = []
+        for _ in range(run.passes):
+            before = arrived(workers)
+            cpu = _children_cpu_s()
+            started = time.perf_counter()
+            with (log_dir / "driver.stderr").open("wb") as stderr:
+                done = subprocess.run(
+                    [str(python), str(DRIVER), *driver_argv],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    timeout=args.run_timeout_s,
+                    check=False,
+                )
+            elapsed = time.perf_counter() - started
+            if done.returncode != 0:
+                tail = (log_dir / "driver.stderr").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"driver failed ({done.returncode}) in {run.name}:\n{tail}")
+            client_cpu = _children_cpu_s() - cpu
+            passes.append((json.loads(done.stdout), arrived(workers) - before, elapsed, client_cpu))
         metrics = scrape(gateway)
     finally:
         stand.stop()
-    if done.returncode != 0:
-        tail = (log_dir / "driver.stderr").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"driver failed ({done.returncode}) in {run.name}:\n{tail}")
-    client = json.loads(done.stdout)
+    client, _, elapsed, _ = passes[0]
     accounted = client["pages_completed"] + client["pages_failed"]
     return {
         "name": run.name,
@@ -289,6 +308,35 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
         "gateway": gateway_figures(metrics),
         "client": client["client"],
         "pages": client["pages"],
+        **({"passes": [_pass(*one) for one in passes]} if run.passes > 1 else {}),
+    }
+
+
+def arrived(workers: list[str]) -> int:
+    """Requests the simulated workers have received so far."""
+    total = 0
+    for url in workers:
+        with urllib.request.urlopen(url + "/sim/state", timeout=10) as response:
+            total += int(json.loads(response.read())["arrived"])
+    return total
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children: the client's, around one pass."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _pass(
+    client: dict[str, Any], worker_requests: int, elapsed: float, client_cpu: float
+) -> dict[str, Any]:
+    return {
+        "pages_completed": client["pages_completed"],
+        "pages_failed": client["pages_failed"],
+        "worker_requests": worker_requests,
+        "wall_s": client["wall_s"],
+        "driver_wall_s": round(elapsed, 3),
+        "client_cpu_s": round(client_cpu, 3),
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 from mineru_gateway.cache.answers import Answer
 from mineru_gateway.cache.metrics import CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore
@@ -18,13 +20,14 @@ def key(number: int) -> bytes:
 def test_the_cache_stays_under_its_byte_bound_evicting_the_least_recently_used() -> None:
     metrics = CacheMetrics()
     store = MemoryStore(10_000, 10_000, 60.0, metrics)
-    one = answer(1000)  # 1,200 bytes with its bookkeeping: eight fit
-    for number in range(8):
+    one = answer(1000)  # with what it costs beyond its body
+    fit = 10_000 // one.size
+    for number in range(fit):
         store.keep(key(number), "t", one)
     assert store.lookup(key(0)) is not None  # used: kept over 1
-    store.keep(key(8), "t", one)
+    store.keep(key(fit), "t", one)
     assert store.lookup(key(0)) is not None and store.lookup(key(1)) is None
-    for number in range(9, 100):
+    for number in range(fit + 1, 100):
         store.keep(key(number), "t", one)
         assert store.total <= 10_000
     assert store.lookup(key(99)) is not None
@@ -56,3 +59,21 @@ def test_an_answer_larger_than_a_tenants_share_is_not_kept_and_answers_expire() 
     assert store.lookup(key(1)) is not None
     now[0] = 5.0
     assert store.lookup(key(1)) is None and store.total == 0 and store.held() == {}
+
+
+def test_an_entrys_counted_size_covers_the_memory_it_takes() -> None:
+    """The bound is on counted sizes: each must cover what the entry really holds (its body,
+    key, answer and the store's records), or the process would outgrow the bound."""
+    store = MemoryStore(1 << 40, 1 << 40, 60.0, CacheMetrics())
+    count = 5000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for number in range(count):
+            body = number.to_bytes(4, "big") * 300  # 1,200 bytes, made inside the measure
+            store.keep(key(number), "t", Answer(200, "application/json", body, 0.5))
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.total == count * answer(1200).size
+    assert taken <= store.total

@@ -16,9 +16,10 @@ from mineru_gateway.testing import free_port, wait_until
 class RedisServer:
     """`redis-server --port N --save '' --appendonly no`, started and stopped by the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
         self.port = free_port()  # kept across stop() and start(): the same Redis comes back
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.options = options  # more of redis-server's own (`--requirepass`, say)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -26,6 +27,7 @@ class RedisServer:
         if binary is None:
             pytest.fail("redis-server is not installed: `make system-deps`")
         argv = [binary, "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        argv += self.options
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self._answers, 10.0, "redis-server start", poll=0.02)
 
@@ -33,7 +35,7 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as conn:
                 conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
+                return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
 

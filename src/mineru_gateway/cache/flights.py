@@ -54,16 +54,18 @@ class Flights(Generic[T]):
     def start(self, key: bytes, work: Coroutine[Any, Any, T]) -> Flight[T]:
         task = asyncio.ensure_future(work)
         flight = Flight(task)
-        task.add_done_callback(_retrieved)
         if self._register:
             self._flying[key] = flight
-            task.add_done_callback(lambda _: self._landed(key, flight))
+            task.add_done_callback(lambda done: self._landed(key, flight, done))
+        else:
+            task.add_done_callback(_retrieved)
         return flight
 
     def __len__(self) -> int:
         return len(self._flying)
 
-    def _landed(self, key: bytes, flight: Flight[T]) -> None:
+    def _landed(self, key: bytes, flight: Flight[T], done: asyncio.Future[Any]) -> None:
+        _retrieved(done)
         if self._flying.get(key) is flight:
             del self._flying[key]
 

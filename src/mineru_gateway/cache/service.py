@@ -11,6 +11,7 @@ worker writes them (docs/cache.md, "Streams").
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -60,6 +61,8 @@ class ResultCache:
         self._max_entry_bytes = max_entry_bytes
         self.flights: Flights[Generation] = Flights(register=coalesce)
         self._writes: set[asyncio.Task[None]] = set()
+        # The in-process store is read and written in place: no coroutine, no task per answer.
+        self._memory = store if isinstance(store, MemoryStore) else None
 
     def collector(self) -> CacheCollector:
         held = self.store.held if isinstance(self.store, MemoryStore) else None
@@ -73,11 +76,15 @@ class ResultCache:
         key = scoped_key(tag, "" if self._shared else tenant)
         flight = self.flights.find(key) if not request.stream else None
         if flight is None and self.store is not None:
-            answer = await self.store.get(key)
+            if self._memory is not None:
+                answer = self._memory.lookup(key)
+            else:
+                answer = await self.store.get(key)
             if answer is not None:
                 self.metrics.hits.inc(tenant)
                 self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
-                await _give(exchange, request, answer, HIT, tag.include_usage)
+                usage = usage_of(answer) if answer.status == 200 else None
+                await _give(exchange, request, answer, usage, HIT, tag.include_usage)
                 return
             if not request.stream:
                 flight = self.flights.find(key)  # one may have started while we looked
@@ -98,7 +105,8 @@ class ResultCache:
             self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
         else:
             _adopt(exchange, generation.exchange)
-        await _give(exchange, request, answer, COALESCED if joined else MISS, False)
+        label = COALESCED if joined else MISS
+        await _give(exchange, request, answer, generation.exchange.usage, label, False)
 
     async def _generate(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
         capture = Capture()
@@ -110,13 +118,17 @@ class ResultCache:
         worker_s = time.perf_counter() - sent if sent is not None else 0.0
         answer = Answer(capture.status, capture.content_type, capture.body, worker_s)
         if self.store is not None and answer.size <= self._max_entry_bytes and complete(answer):
-            self._write_later(key, tenant, answer)
+            self._write(key, tenant, answer)
         return Generation(answer, exchange)
 
-    def _write_later(self, key: bytes, tenant: str, answer: Answer) -> None:
-        """Stores the answer without its clients waiting for the store."""
+    def _write(self, key: bytes, tenant: str, answer: Answer) -> None:
+        """Stores the answer without its clients waiting for the store: in place in memory, in
+        a task of its own for Redis."""
         assert self.store is not None
         self.metrics.stored_bytes.inc(tenant, amount=len(answer.body))
+        if self._memory is not None:
+            self._memory.keep(key, tenant, answer)
+            return
         task = asyncio.ensure_future(self.store.put(key, tenant, answer))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
@@ -143,7 +155,7 @@ class Capture:
             self.status = message["status"]
             for name, content in message["headers"]:
                 if name == b"content-type":
-                    self.content_type = content.decode("latin-1")
+                    self.content_type = _content_type(content)
         else:
             self._parts.append(message.get("body", b""))
 
@@ -152,15 +164,22 @@ class Capture:
         return b"".join(self._parts)
 
 
+@functools.lru_cache(maxsize=16)
+def _content_type(raw: bytes) -> str:
+    """One string per content type, not one per kept answer."""
+    return raw.decode("latin-1")
+
+
 async def _give(
     exchange: Exchange,
     request: ParsedRequest,
     answer: Answer,
+    usage: dict[str, Any] | None,
     label: list[tuple[bytes, bytes]],
     include_usage: bool,
 ) -> None:
-    if answer.status == 200:
-        exchange.usage = usage_of(answer)
+    """`usage`: the answer's, already read (by the relay for a generation, once for a hit)."""
+    exchange.usage = usage
     if request.stream:
         body = replay_stream(request.endpoint, answer, include_usage)
         await exchange.respond(200, SSE_TYPE, body, label)

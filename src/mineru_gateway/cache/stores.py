@@ -14,13 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from mineru_gateway.cache.answers import Answer, decode, encode
 from mineru_gateway.cache.metrics import CacheMetrics
+from mineru_gateway.cache.redis_link import RedisLink, RedisReplyError
 
 REDIS_PREFIX = b"mineru-gateway:cache:"
 
@@ -125,13 +121,8 @@ class RedisStore:
         pause_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # No retries inside the client: one bounded try, then a miss (module docstring).
-        self._redis = Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        # One bounded try, then a miss (module docstring): the link never retries.
+        self._redis = RedisLink(url, connect_timeout_s=timeout_s)
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._timeout_s = timeout_s
         self._metrics = metrics
@@ -145,12 +136,12 @@ class RedisStore:
         try:
             async with asyncio.timeout(self._timeout_s):
                 blob = await self._redis.get(REDIS_PREFIX + key.hex().encode())
-        except (TimeoutError, RedisError, OSError) as error:
+        except (TimeoutError, RedisReplyError, OSError) as error:
             self._failed(error)
             return None
         if blob is None:
             return None
-        answer = decode(blob) if isinstance(blob, bytes) else None
+        answer = decode(blob)
         if answer is None:
             self._metrics.errors.inc("corrupt")
         return answer
@@ -163,11 +154,11 @@ class RedisStore:
                 await self._redis.set(
                     REDIS_PREFIX + key.hex().encode(), encode(answer), px=self._ttl_ms
                 )
-        except (TimeoutError, RedisError, OSError) as error:
+        except (TimeoutError, RedisReplyError, OSError) as error:
             self._failed(error)
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._redis.close()
 
     def _paused(self) -> bool:
         return self._clock() < self._resume_at

@@ -1,0 +1,178 @@
+"""The markdown summary of cache.json, written from the document alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NOTES = """\
+## How to read these figures
+
+- Every server is its own process (`mineru-gateway sim`, `mineru-gateway serve`,
+  `redis-server`); the client is the benchmark's own raw HTTP/1.1 connections
+  (benchmarks/cache/raw.py), so its cost stays small next to the gateway's.
+- CPU is the gateway process's user + system time from /proc, so other jobs on the machine
+  change it less than they change wall times; latency and wall times on a shared machine are
+  noisy, p99 most of all (load average at the end of the run above).
+- Small requests: every request is distinct, so every cacheable one is a miss: the cost of
+  coalescing (on by default) and of each store when it does not help. Each round sends the same
+  number of requests to each gateway, in an order rotated each round; the ratio is the median
+  over rounds of the gateway's CPU per request against cache_off's in the same round.
+- A hit's latency is from the request's first byte written to the answer's last byte read, one
+  request at a time on one keep-alive connection; "in process" splits the gateway's part of it.
+- Memory bound: distinct answers of about 1.2 kB each through the memory cache, many times its
+  bound, one tenant given the whole cache; the overhead is the peak RSS minus the RSS before
+  the first answer minus the bound. The bound counts each answer's body and what the entry
+  costs beyond it (`OVERHEAD_BYTES`, cache/answers.py).
+- MinerU's client: the wall time of a pass is the client's own work (resizing and encoding each
+  page and block, on the same shared cores) plus waiting for answers; its CPU is the client
+  process's own. A second pass answered from the cache leaves the first of the two.
+"""
+
+
+def markdown(document: dict[str, Any]) -> str:
+    r = document["results"]
+    machine = document["machine"]
+    lines = [
+        "# Coalescing and the result cache (`make bench-cache`)",
+        "",
+        f"Command: `{document['command']}`. Simulated workers (time scale "
+        f"{document['settings']['time_scale']}; 1.0 for the worker answers of the hit latency). "
+        f"Machine: {machine['cpus']} CPUs shared with other jobs, load average at the end "
+        f"{machine['loadavg_end']}; Python {machine['python']}. Raw figures: cache.json.",
+        "",
+    ]
+    lines += _small(r["small_requests"])
+    lines += _hits(r["hit_latency"])
+    lines += _passes(r["second_pass"])
+    lines += _duplicates(r["duplicates"])
+    lines += _shared(r["shared_redis"])
+    lines += _memory(r["memory_bound"])
+    if "mineru_client" in r:
+        lines += _mineru(r["mineru_client"])
+    lines += ["", NOTES]
+    return "\n".join(lines)
+
+
+def _small(small: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Small requests: the cost of coalescing and of a store that misses (same run)",
+        "",
+        "| gateway | requests | CPU us per request | CPU against cache_off | p50 ms | p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in small.items():
+        lines.append(
+            f"| {name} | {c['requests']} | {c['cpu_us_per_request']} | {c['cpu_ratio_to_off']} |"
+            f" {c['latency']['p50_ms']} | {c['latency']['p99_ms']} |"
+        )
+    return [*lines, ""]
+
+
+def _hits(hits: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## A hit's latency, {hits['request_bytes']:,}-byte page request",
+        "",
+        "| answered by | samples | p50 ms | p99 ms | gateway CPU ms per request |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("memory", "redis"):
+        h = hits[name]
+        lines.append(
+            f"| {name} hit | {h['samples']} | {h['p50_ms']} | {h['p99_ms']} |"
+            f" {h['gateway_cpu_ms']} |"
+        )
+    w = hits["worker_answer"]
+    lines.append(f"| worker (300 tokens) | {w['samples']} | {w['p50_ms']} | {w['p99_ms']} | |")
+    parts = ", ".join(f"{name} {ms} ms" for name, ms in hits["in_process_ms"].items())
+    return [*lines, "", f"In process, on the same body (best of 30): {parts}.", ""]
+
+
+def _passes(passes: dict[str, Any]) -> list[str]:
+    lines = [
+        "## A batch of pages sent twice",
+        "",
+        "| store | pass | worker requests | hits | wall s | gateway CPU s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for store, result in passes.items():
+        for name in ("first", "second"):
+            p = result[name]
+            lines.append(
+                f"| {store} | {name} | {p['worker_requests']} | {p['hits']} | {p['wall_s']} |"
+                f" {p['gateway_cpu_s']} |"
+            )
+    return [*lines, ""]
+
+
+def _duplicates(duplicates: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Duplicates: coalescing alone (the defaults), and with the memory cache",
+        "",
+        "| gateway | batch | requests sent | distinct | worker requests | coalesced |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, d in duplicates.items():
+        mixed, burst = d["twenty_percent_duplicates"], d["hundred_identical"]
+        lines += [
+            f"| {name} | 20% duplicates | {mixed['sent']} | {mixed['distinct']} | "
+            f"{mixed['worker_requests']} | {mixed['coalesced']} |",
+            f"| {name} | 100 identical at once | {burst['sent']} | 1 | "
+            f"{burst['worker_requests']} | {burst['coalesced']} |",
+        ]
+    return [*lines, ""]
+
+
+def _shared(shared: dict[str, Any]) -> list[str]:
+    replicas = shared["two_replicas_redis"]
+    lines = [
+        "## One Redis behind several gateways",
+        "",
+        "| setup | pages | first pass: worker requests | second pass: worker requests | hits |",
+        "|---|---|---|---|---|",
+        f"| two replicas, computed through one, asked through the other | {replicas['pages']} |"
+        f" {replicas['first_through_one']['worker_requests']} |"
+        f" {replicas['then_through_two']['worker_requests']} |"
+        f" {replicas['then_through_two']['hits']} |",
+    ]
+    for name, label in (
+        ("processes_2_redis", "`serve --processes 2`, Redis, a new connection per request"),
+        ("processes_2_memory", "`serve --processes 2`, memory cache (each process its own)"),
+    ):
+        s = shared[name]
+        lines.append(
+            f"| {label} | {s['pages']} | {s['first']['worker_requests']} |"
+            f" {s['second']['worker_requests']} | {s['second']['hits']} |"
+        )
+    return [*lines, ""]
+
+
+def _memory(memory: dict[str, Any]) -> list[str]:
+    return [
+        "## The memory cache stays within its bound",
+        "",
+        "| distinct answers | stored MiB | bound MiB | held at end MiB | evictions |"
+        " RSS before MiB | peak RSS MiB | overhead MiB |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {memory['distinct_answers']} | {memory['stored_mib']} | {memory['cache_max_mib']} |"
+        f" {memory['held_mib_at_end']} | {memory['evictions']} | {memory['rss_mib_before']} |"
+        f" {memory['rss_mib_peak']} | {memory['overhead_mib']} |",
+        "",
+        f"RSS every tenth of the way (MiB): {memory['rss_mib_samples']}.",
+        "",
+    ]
+
+
+def _mineru(mineru: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## MinerU's own client ({mineru['client']}), the same {mineru['pages']} pages twice,"
+        f" memory cache (simulated workers at time scale {mineru['sim_time_scale']})",
+        "",
+        "| pass | pages completed | worker requests | wall s | client CPU s |",
+        "|---|---|---|---|---|",
+    ]
+    for number, p in enumerate(mineru["passes"], 1):
+        lines.append(
+            f"| {number} | {p['pages_completed']} | {p['worker_requests']} | {p['wall_s']} |"
+            f" {p['client_cpu_s']} |"
+        )
+    return [*lines, ""]
