@@ -102,6 +102,27 @@ async def test_the_first_client_leaving_does_not_cancel_the_others_the_last_does
         )
 
 
+async def test_the_leader_leaving_first_then_the_last_waiter_cancels_the_generation(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    """The leader's client goes first: its generation goes on for the one waiting; when that
+    one goes too, the worker's request is aborted (nobody is left to read it)."""
+    worker = start_sim(time_scale=1.0)
+    gateway = start_gateway([worker])
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as client:
+        leader = asyncio.ensure_future(client.post(CHAT, json=page(202)))
+        await wait_until_async(lambda: _arrived(client, worker, 1), 10.0, "leader on the worker")
+        waiter = asyncio.ensure_future(client.post(CHAT, json=page(202)))
+        await asyncio.sleep(0.2)
+        leader.cancel()
+        await asyncio.sleep(0.2)
+        assert (await state(client, worker))["aborted"] == 0  # kept for the waiter
+        waiter.cancel()
+        await wait_until_async(
+            lambda: _aborted(client, worker), 10.0, "the worker's request aborted"
+        )
+
+
 async def _aborted(client: httpx.AsyncClient, worker: str) -> bool:
     current = await state(client, worker)
     return bool(current["aborted"] == 1 and current["in_flight"] == 0)

@@ -100,6 +100,7 @@ class Exchange:
         "received",
         "request_id",
         "status",
+        "stays",
         "streaming",
         "tenant",
         "tokens",
@@ -138,6 +139,9 @@ class Exchange:
         self._itl: Series | None = None
         self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer's head (X-Cache)
         self.trace: RequestTrace | None = None  # when tracing is on (docs/tracing.md)
+        # Asked when the client leaves: True keeps the work going (it leads a generation other
+        # requests wait for, docs/cache.md); None or False cancels it.
+        self.stays: Callable[[], bool] | None = None
 
     async def start(
         self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
@@ -487,13 +491,17 @@ async def _until_done_or_disconnect(
     # getpid() system call.
     task = asyncio.current_task(link.loop if link is not None else None)
     assert task is not None
-    left = False
+    left = kept = False
 
     def on_disconnect(_: object = None) -> None:
-        nonlocal left
+        nonlocal left, kept
         if not exchange.complete:  # the whole answer went out: nothing to stop
             left = True
-            task.cancel()
+            stays = exchange.stays
+            if stays is not None and stays():
+                kept = True  # others wait on what it does: it ends, its answer to no one
+            else:
+                task.cancel()
 
     watcher: asyncio.Future[None] | None = None
     if link is not None:
@@ -508,11 +516,14 @@ async def _until_done_or_disconnect(
             raise ClientDisconnected from None
         raise
     finally:
+        exchange.stays = None
         if link is not None:
             link.on_lost(None)
         elif watcher is not None:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
+    if kept:
+        raise ClientDisconnected
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -1,47 +1,80 @@
 """Shared generations (single flight): identical requests in flight wait for one generation.
 
-A generation runs in a task of its own, not in any client's: a client that leaves stops waiting
-without stopping it while others still wait; the last to leave cancels it, which closes the
-upstream request as a lone client's leaving does (api/relay.py). Every waiter gets the same
-outcome: the answer, or the error the generation ended with.
+The first request of a key leads: its generation runs in its own task, as any request's work
+does, and the requests that arrive while it runs wait for its outcome (`Flight.wait`). Nothing
+is spawned per request, and a waiter costs a future only when one arrives.
+
+Leaving: a waiter that leaves stops waiting. The leader's client leaving while others wait does
+not stop the generation (`Flight.leader_left`: the relay asks it, api/relay.py); the last one
+to leave, leader or waiter, cancels it, which closes the upstream request as a lone client's
+leaving does. Every waiter gets the same outcome: the answer, or the error the generation ended
+with.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class Flight(Generic[T]):
-    __slots__ = ("_task", "abandoned", "waiters")
+    """One generation in flight: the leader's task, and the outcome its waiters wait for."""
 
-    def __init__(self, task: asyncio.Task[T]) -> None:
-        self._task = task
+    __slots__ = ("_leader", "_outcome", "abandoned", "leader_gone", "waiters")
+
+    def __init__(self, leader: asyncio.Task[object]) -> None:
+        self._leader = leader
+        self._outcome: asyncio.Future[T] | None = None  # made when a first waiter arrives
         self.waiters = 0
-        self.abandoned = False  # every waiter left: it is being cancelled
+        self.leader_gone = False  # the leader's client left; the generation goes on for others
+        self.abandoned = False  # every client left: it is being cancelled
 
     async def wait(self) -> T:
-        """The generation's result; leaving (this task cancelled) as the last waiter cancels
-        the generation."""
+        """The generation's outcome; leaving (this task cancelled) as the last one cancels the
+        generation."""
+        outcome = self._outcome
+        if outcome is None:
+            outcome = self._outcome = self._leader.get_loop().create_future()
         self.waiters += 1
         try:
-            return await asyncio.shield(self._task)
+            return await asyncio.shield(outcome)
         finally:
             self.waiters -= 1
-            if self.waiters == 0 and not self._task.done():
+            if self.waiters == 0 and self.leader_gone and not outcome.done():
                 self.abandoned = True
-                self._task.cancel()
+                self._leader.cancel()
+
+    def leader_left(self) -> bool:
+        """The leader's client left: True (the generation goes on) while others wait."""
+        if self.waiters == 0 or self.abandoned:
+            self.abandoned = True  # being cancelled: no request may join it now
+            return False
+        self.leader_gone = True
+        return True
+
+    def landed(self, result: T) -> None:
+        if self._outcome is not None and not self._outcome.done():
+            self._outcome.set_result(result)
+
+    def failed(self, error: BaseException) -> None:
+        outcome = self._outcome
+        if outcome is None or outcome.done():
+            return
+        if isinstance(error, asyncio.CancelledError):
+            outcome.cancel()
+        else:
+            outcome.set_exception(error)
+            outcome.exception()  # read: every waiter may have left
 
     @property
     def joinable(self) -> bool:
-        return not self.abandoned and not self._task.done()
+        return not self.abandoned and (self._outcome is None or not self._outcome.done())
 
 
 class Flights(Generic[T]):
-    """Generations in flight by key; `register` False runs them without sharing."""
+    """Generations in flight by key; `register` False leads them without sharing."""
 
     def __init__(self, register: bool = True) -> None:
         self._register = register
@@ -51,26 +84,18 @@ class Flights(Generic[T]):
         flight = self._flying.get(key)
         return flight if flight is not None and flight.joinable else None
 
-    def start(self, key: bytes, work: Coroutine[Any, Any, T]) -> Flight[T]:
-        task = asyncio.ensure_future(work)
-        flight = Flight(task)
+    def lead(self, key: bytes) -> Flight[T]:
+        """A generation the current task leads; `landed` (or `failed`) then `done`."""
+        task = asyncio.current_task()
+        assert task is not None
+        flight: Flight[T] = Flight(task)
         if self._register:
             self._flying[key] = flight
-            task.add_done_callback(lambda done: self._landed(key, flight, done))
-        else:
-            task.add_done_callback(_retrieved)
         return flight
 
-    def __len__(self) -> int:
-        return len(self._flying)
-
-    def _landed(self, key: bytes, flight: Flight[T], done: asyncio.Future[Any]) -> None:
-        _retrieved(done)
+    def done(self, key: bytes, flight: Flight[T]) -> None:
         if self._flying.get(key) is flight:
             del self._flying[key]
 
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Marks the outcome read: its waiters read it, or all left and nobody will."""
-    if not task.cancelled():
-        task.exception()
+    def __len__(self) -> int:
+        return len(self._flying)

@@ -19,7 +19,7 @@ from typing import Any
 from mineru_gateway.api.relay import Exchange
 from mineru_gateway.api.requests import ParsedRequest
 from mineru_gateway.cache.answers import Answer, complete, replay_stream, usage_of
-from mineru_gateway.cache.flights import Flights
+from mineru_gateway.cache.flights import Flight, Flights
 from mineru_gateway.cache.keys import scoped_key
 from mineru_gateway.cache.metrics import CacheCollector, CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore, RedisStore, Store
@@ -93,20 +93,34 @@ class ResultCache:
             exchange.extra_headers = MISS
             await run(exchange)
             return
-        joined = flight is not None
-        if flight is None:
-            self.metrics.misses.inc(tenant)
-            flight = self.flights.start(key, self._generate(key, tenant, exchange, run))
-        else:
+        if flight is not None:
             self.metrics.coalesced.inc(tenant)
-        generation = await flight.wait()
-        answer = generation.answer
-        if joined:
+            generation = await flight.wait()
+            answer = generation.answer
             self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
+            await _give(exchange, request, answer, generation.exchange.usage, COALESCED, False)
+            return
+        self.metrics.misses.inc(tenant)
+        generation = await self._lead(key, tenant, exchange, run)
+        _adopt(exchange, generation.exchange)
+        await _give(exchange, request, generation.answer, generation.exchange.usage, MISS, False)
+
+    async def _lead(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
+        """The generation, in the leader's own task, shared with whoever joins meanwhile; the
+        leader's client leaving while others wait does not stop it (flights.py)."""
+        flight: Flight[Generation] = self.flights.lead(key)
+        leader.stays = flight.leader_left
+        try:
+            generation = await self._generate(key, tenant, leader, run)
+        except BaseException as error:
+            flight.failed(error)
+            raise
         else:
-            _adopt(exchange, generation.exchange)
-        label = COALESCED if joined else MISS
-        await _give(exchange, request, answer, generation.exchange.usage, label, False)
+            flight.landed(generation)
+        finally:
+            leader.stays = None
+            self.flights.done(key, flight)
+        return generation
 
     async def _generate(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
         capture = Capture()
