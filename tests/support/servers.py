@@ -76,9 +76,10 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-class GatewayServerThread:
+class GatewayServerThread(ServerThread):
     """Runs `app` on the gateway's own server (entry/server.py, uvloop) in a daemon thread, as
-    `serve` runs it but for signals, which only reach the main thread."""
+    `serve` runs it but for signals, which only reach the main thread. Started, found and
+    stopped as ServerThread's uvicorn server is: the gateway's server keeps the same flags."""
 
     def __init__(
         self,
@@ -86,7 +87,7 @@ class GatewayServerThread:
         timeouts: Timeouts | None = None,
         graceful_timeout_s: float | None = None,
     ) -> None:
-        self.server = Server(
+        self.server = Server(  # type: ignore[assignment]
             app, "127.0.0.1", 0, timeouts=timeouts, graceful_timeout_s=graceful_timeout_s
         )
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -94,25 +95,6 @@ class GatewayServerThread:
     def _run(self) -> None:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(self.server.serve())
-
-    def start(self, timeout: float = 20.0) -> str:
-        self.thread.start()
-        wait_until(self._started, timeout, "server start", poll=0.01)
-        return self.url
-
-    def _started(self) -> bool:
-        if not self.server.started and not self.thread.is_alive():
-            raise RuntimeError("server did not start")
-        return self.server.started
-
-    @property
-    def url(self) -> str:
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @contextmanager
