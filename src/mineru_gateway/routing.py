@@ -70,6 +70,10 @@ class WorkerView:
     reported: ReportedLoad | None = None
     slowness: float = 1.0  # the worker's pace relative to its peers (2.0: half speed)
     batch_limit: int | None = None  # its running batch's size (max_num_seqs), when known
+    # This process holds a kept-alive connection to it (it sent there lately): among equals a
+    # policy takes such a worker, so a request need not open a connection first
+    # (docs/operate/fleet-scale.md, "Connections").
+    warm: bool = False
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
@@ -101,7 +105,7 @@ class LeastInflight:
 
     def choose(self, candidates: Sequence[WorkerView], rng: random.Random) -> WorkerView:
         fewest = min(view.in_flight for view in candidates)
-        return rng.choice([view for view in candidates if view.in_flight == fewest])
+        return _one_of([view for view in candidates if view.in_flight == fewest], rng)
 
 
 class RoundRobin:
@@ -192,7 +196,15 @@ def _lowest(
     # Relative tolerance: float noise must not defeat random tie-breaking.
     bound = min(scores) * (1 + 1e-9)
     ties = [view for view, value in zip(views, scores, strict=True) if value <= bound]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
+    return _one_of(ties, rng)
+
+
+def _one_of(ties: list[WorkerView], rng: random.Random) -> WorkerView:
+    """One of equally good workers: a warm one (`WorkerView.warm`) if any, else at random."""
+    if len(ties) == 1:
+        return ties[0]
+    warm = [view for view in ties if view.warm]
+    return rng.choice(warm or ties)
 
 
 def make_policy(name: str, model: LoadModel | None = None) -> RoutingPolicy:

@@ -46,13 +46,46 @@ async def test_at_256_workers_a_quarter_full_get_no_request() -> None:
     for worker in full:
         for _ in range(BATCH):
             registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+    grants = [await dispatcher.acquire(ask()) for _ in range(600)]  # of 768 places left
+    chosen = Counter(grant.lease.worker.url for grant in grants)
+    assert not chosen.keys() & {worker.url for worker in full}
+    assert len(chosen) > 150  # spread over the workers with room, not stuck on a few
+    assert max(chosen.values()) <= BATCH
+    for grant in grants:
+        grant.release()
+
+
+async def test_one_request_at_a_time_stays_on_a_worker_it_holds_a_connection_to() -> None:
+    """Among equally loaded workers the one this process just used wins (its connection is
+    kept alive), while it has room; full, the next request goes elsewhere."""
+    dispatcher = big_fleet(256)
+    registry = dispatcher.registry
     chosen: Counter[str] = Counter()
-    for _ in range(2000):
+    for _ in range(200):
         grant = await dispatcher.acquire(ask())
         chosen[grant.lease.worker.url] += 1
         grant.release()
-    assert not chosen.keys() & {worker.url for worker in full}
-    assert len(chosen) > 150  # spread over the workers with room, not stuck on a few
+    [(warm, times)] = chosen.most_common(1)
+    assert times >= 199
+    worker = registry.membership.by_url[warm]
+    for _ in range(BATCH):
+        registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+    grant = await dispatcher.acquire(ask())
+    assert grant.lease.worker.url != warm
+    grant.release()
+
+
+async def test_a_warm_worker_with_more_load_is_not_preferred() -> None:
+    dispatcher = big_fleet(16)
+    registry = dispatcher.registry
+    grant = await dispatcher.acquire(ask())
+    warm = grant.lease.worker
+    grant.release()
+    registry.acquire(warm, Cost(prefill=0.0, hold=1.0))  # another request of this process
+    for _ in range(20):
+        grant = await dispatcher.acquire(ask())
+        assert grant.lease.worker is not warm
+        grant.release()
 
 
 async def test_held_requests_fill_the_fleet_evenly_and_then_queue() -> None:

@@ -14,10 +14,17 @@ checked again and a full one moves bags. The other way round, room a sibling lea
 reading that ages out) shows at the worker's next reading, or, when no roomy worker is left,
 by looking at the full workers again: at once when a sibling's count fell since the last look
 (`releases`), else at most every `rescan_s`.
+
+Connections: a worker this process chose lately, whose last request here ended less than a
+keep-alive ago, still has a connection open from this process. Up to `WARM_DRAWN` such workers
+join each draw (if they have room), marked `warm`, and the policy takes one of them among
+equally loaded workers: in a large fleet a random pick would otherwise mostly land on a worker
+whose connection has lapsed and open a new one first (docs/operate/fleet-scale.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -25,9 +32,14 @@ from typing import NamedTuple, Protocol
 
 from mineru_gateway.routing import WorkerView
 from mineru_gateway.workers.membership import Membership
+from mineru_gateway.workers.upstream import KEEPALIVE_S
 from mineru_gateway.workers.worker import Worker
 
 RESCAN_S = 0.1  # at most this often, a full look for room no event reported
+WARM_DRAWN = 2  # workers with a kept-alive connection that join a draw
+# A worker's connection counts as kept alive for this long after its last request here: the
+# pool's keep-alive, less a margin for the request about to be sent.
+WARM_S = KEEPALIVE_S - 0.5
 
 
 class RoomCheck(Protocol):
@@ -126,7 +138,17 @@ class FleetIndex:
         self._placed: dict[str, tuple[Worker, frozenset[str]]] = {}
         self._pools: dict[str | None, _Pool] = {None: _Pool()}
         self._rescanned = -float("inf")
+        self._recent: dict[str, Worker] = {}  # chosen lately, the latest last
         membership.watch(self.mark)
+
+    def chose(self, worker: Worker) -> None:
+        """A decision took `worker`: it has a connection from this process until its keep-alive
+        lapses (module docstring)."""
+        recent = self._recent
+        recent.pop(worker.url, None)
+        recent[worker.url] = worker
+        if len(recent) > self.sample:
+            del recent[next(iter(recent))]
 
     def mark(self, worker: Worker) -> None:
         """Something about `worker` changed: it is placed again before the next decision."""
@@ -230,8 +252,8 @@ class FleetIndex:
     ) -> list[WorkerView]:
         """Fresh views of up to `sample` roomy workers, each checked again: one found full (a
         sibling's requests, module docstring) moves bags and another is drawn, a few times."""
-        views: list[WorkerView] = []
-        seen = set(skip)
+        views = self._warm(pool, room, skip, now)
+        seen = set(skip).union(view.name for view in views)
         for _ in range(4):
             wanted = self.sample - len(views)
             drawn = pool.roomy.draw(wanted + len(seen), self._rng) if wanted > 0 else []
@@ -245,4 +267,21 @@ class FleetIndex:
                     views.append(view)
                 else:
                     self._place(worker.url, worker, self._room or room, now)
+        return views
+
+    def _warm(
+        self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
+    ) -> list[WorkerView]:
+        """Views, marked warm, of up to WARM_DRAWN workers chosen lately whose connection from
+        this process is still kept alive and that have room; the latest first."""
+        views: list[WorkerView] = []
+        roomy = pool.roomy.where
+        for url, worker in reversed(self._recent.items()):
+            if now - worker.released_at > WARM_S or url in skip or url not in roomy:
+                continue
+            view = self._build(worker, now)
+            if room.has_room(view):
+                views.append(dataclasses.replace(view, warm=True))
+                if len(views) == WARM_DRAWN:
+                    break
         return views

@@ -9,6 +9,7 @@ which also publish them to the sibling processes' table when there is one
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -76,6 +77,9 @@ class Worker:
     leased: int = 0  # leases ever given on it (read_load: the requests sent during a read)
     read_at: float | None = None  # its last good load read (time.monotonic()): it is up
     models_at: float | None = None  # its models were last listed (time.monotonic())
+    # This process's last request there ended (time.monotonic()): its connection is kept
+    # alive a while, and routing prefers such a worker among equals (fleet_index.py).
+    released_at: float = -math.inf
     # With `serve --processes N`: the worker's column of every process's counts (group_load.py).
     shared: WorkerColumn | None = field(default=None, repr=False, compare=False)
     # Told of every change of its counts: the routing index (fleet_index.py) moves it then.
@@ -94,9 +98,10 @@ class Worker:
         self.own_cost = max(0.0, self.own_cost - cost.prefill)
         self.publish()
 
-    def let_go(self, cost: Cost, prefill_done: bool) -> None:
+    def let_go(self, cost: Cost, prefill_done: bool, now: float) -> None:
         """A request left the worker: what it still held of its cost goes with it."""
         self.in_flight -= 1
+        self.released_at = now
         held = cost.hold if prefill_done else cost.total
         self.own_cost = max(0.0, self.own_cost - held) if self.in_flight else 0.0
         self.publish()
@@ -237,5 +242,5 @@ class Lease:
         if self.released:
             return
         self.released = True
-        self.worker.let_go(self.cost, self.prefill_done)
+        self.worker.let_go(self.cost, self.prefill_done, time.monotonic())
         self._on_release()
