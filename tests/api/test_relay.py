@@ -192,8 +192,12 @@ def test_worker_that_dies_is_skipped_without_losing_requests(
     script, worker = scripted
     doomed = ServerThread(scripted_worker(Script()))
     doomed_url = doomed.start()
-    # A long health interval: only the relay's own connect failure can find out it is gone.
-    gateway = start_gateway([worker, doomed_url], health_interval_s=60)
+    # A long health interval: only the relay's own connect failure can find out it is gone;
+    # round robin, so that requests one at a time go to both workers (`queue` keeps an idle
+    # fleet's requests on the worker it holds a connection to).
+    gateway = start_gateway(
+        [worker, doomed_url], health_interval_s=60, routing_policy="round_robin"
+    )
     doomed.stop()
     for _ in range(20):
         assert httpx.post(gateway + CHAT, json=chat_body()).status_code == 200
