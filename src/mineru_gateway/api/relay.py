@@ -94,6 +94,8 @@ class Exchange:
         "extra_headers",
         "finished",
         "first_chunk",
+        "held",
+        "holding",
         "last_chunk",
         "priority",
         "queued_s",
@@ -142,6 +144,10 @@ class Exchange:
         # Asked when the client leaves: True keeps the work going (it leads a generation other
         # requests wait for, docs/cache.md); None or False cancels it.
         self.stays: Callable[[], bool] | None = None
+        # While `holding`, a whole answer (`respond`) is kept in `held`, not sent: a generation
+        # others share is given to each of them, its leader too, once it is whole (cache/).
+        self.holding = False
+        self.held: tuple[int, str, bytes] | None = None
 
     async def start(
         self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
@@ -204,7 +210,10 @@ class Exchange:
         extra: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         """A whole answer, sized (not in chunked framing); in one write where the client's
-        connection has a link (api/connection.py)."""
+        connection has a link (api/connection.py). Kept instead while `holding`."""
+        if self.holding:
+            self.held = (status, content_type, body)
+            return
         if self._link is None:
             length = [(b"content-length", b"%d" % len(body))]
             await self.start(status, content_type, length + extra if extra else length)

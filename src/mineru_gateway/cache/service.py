@@ -11,9 +11,8 @@ worker writes them (docs/cache.md, "Streams").
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mineru_gateway.api.relay import Exchange
@@ -24,6 +23,7 @@ from mineru_gateway.cache.keys import scoped_key
 from mineru_gateway.cache.metrics import CacheCollector, CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore, RedisStore, Store
 from mineru_gateway.config import GatewaySettings
+from mineru_gateway.errors import UpstreamError
 
 Run = Callable[[Exchange], Awaitable[None]]
 SSE_TYPE = "text/event-stream"
@@ -33,13 +33,13 @@ COALESCED = [(b"x-cache", b"coalesced")]
 
 
 class Generation:
-    """What a shared generation left: the answer, and the exchange that fetched it."""
+    """What a shared generation left: the answer, and its usage as the relay read it."""
 
-    __slots__ = ("answer", "exchange")
+    __slots__ = ("answer", "usage")
 
-    def __init__(self, answer: Answer, exchange: Exchange) -> None:
+    def __init__(self, answer: Answer, usage: dict[str, Any] | None) -> None:
         self.answer = answer
-        self.exchange = exchange
+        self.usage = usage
 
 
 class ResultCache:
@@ -98,12 +98,11 @@ class ResultCache:
             generation = await flight.wait()
             answer = generation.answer
             self.metrics.npu_seconds_saved.inc(tenant, amount=answer.worker_s)
-            await _give(exchange, request, answer, generation.exchange.usage, COALESCED, False)
+            await _give(exchange, request, answer, generation.usage, COALESCED, False)
             return
         self.metrics.misses.inc(tenant)
         generation = await self._lead(key, tenant, exchange, run)
-        _adopt(exchange, generation.exchange)
-        await _give(exchange, request, generation.answer, generation.exchange.usage, MISS, False)
+        await _give(exchange, request, generation.answer, generation.usage, MISS, False)
 
     async def _lead(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
         """The generation, in the leader's own task, shared with whoever joins meanwhile; the
@@ -123,17 +122,22 @@ class ResultCache:
         return generation
 
     async def _generate(self, key: bytes, tenant: str, leader: Exchange, run: Run) -> Generation:
-        capture = Capture()
-        exchange = Exchange(capture.send, leader.request_id, leader.endpoint)
-        exchange.tenant, exchange.priority = tenant, leader.priority
-        exchange.trace = leader.trace  # its queue wait and attempts join the leader's trace
-        await run(exchange)
-        sent = exchange.upstream_sent
+        """Runs the generation on the leader's own exchange, its answer held for everyone
+        (`Exchange.holding`): the leader's record names the worker and queueing it took."""
+        leader.holding = True
+        try:
+            await run(leader)
+        finally:
+            leader.holding = False
+        held, leader.held = leader.held, None
+        if held is None:  # a worker that streamed an answer nobody asked to stream
+            raise UpstreamError("the worker streamed its answer to a request not for a stream")
+        sent = leader.upstream_sent
         worker_s = time.perf_counter() - sent if sent is not None else 0.0
-        answer = Answer(capture.status, capture.content_type, capture.body, worker_s)
+        answer = Answer(*held, worker_s)
         if self.store is not None and answer.size <= self._max_entry_bytes and complete(answer):
             self._write(key, tenant, answer)
-        return Generation(answer, exchange)
+        return Generation(answer, leader.usage)
 
     def _write(self, key: bytes, tenant: str, answer: Answer) -> None:
         """Stores the answer without its clients waiting for the store: in place in memory, in
@@ -154,36 +158,6 @@ class ResultCache:
             await self.store.close()
 
 
-class Capture:
-    """An ASGI `send` that keeps the answer a generation's exchange writes."""
-
-    __slots__ = ("_parts", "content_type", "status")
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.content_type = "application/json"
-        self._parts: list[bytes] = []
-
-    async def send(self, message: MutableMapping[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            for name, content in message["headers"]:
-                if name == b"content-type":
-                    self.content_type = _content_type(content)
-        else:
-            self._parts.append(message.get("body", b""))
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self._parts)
-
-
-@functools.lru_cache(maxsize=16)
-def _content_type(raw: bytes) -> str:
-    """One string per content type, not one per kept answer."""
-    return raw.decode("latin-1")
-
-
 async def _give(
     exchange: Exchange,
     request: ParsedRequest,
@@ -199,12 +173,6 @@ async def _give(
         await exchange.respond(200, SSE_TYPE, body, label)
         return
     await exchange.respond(answer.status, answer.content_type, answer.body, label)
-
-
-def _adopt(exchange: Exchange, generation: Exchange) -> None:
-    """The leader's record names the worker and the queueing of the generation it led."""
-    exchange.worker, exchange.attempts = generation.worker, generation.attempts
-    exchange.queued_s, exchange.upstream_sent = generation.queued_s, generation.upstream_sent
 
 
 def build_result_cache(settings: GatewaySettings) -> ResultCache | None:
