@@ -24,7 +24,6 @@ whose connection has lapsed and open a new one first (docs/operate/fleet-scale.m
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -32,14 +31,10 @@ from typing import NamedTuple, Protocol
 
 from mineru_gateway.routing import WorkerView
 from mineru_gateway.workers.membership import Membership
-from mineru_gateway.workers.upstream import KEEPALIVE_S
-from mineru_gateway.workers.worker import Worker
+from mineru_gateway.workers.worker import WARM_S, Worker
 
 RESCAN_S = 0.1  # at most this often, a full look for room no event reported
 WARM_DRAWN = 2  # workers with a kept-alive connection that join a draw
-# A worker's connection counts as kept alive for this long after its last request here: the
-# pool's keep-alive, less a margin for the request about to be sent.
-WARM_S = KEEPALIVE_S - 0.5
 
 
 class RoomCheck(Protocol):
@@ -272,8 +267,8 @@ class FleetIndex:
     def _warm(
         self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
     ) -> list[WorkerView]:
-        """Views, marked warm, of up to WARM_DRAWN workers chosen lately whose connection from
-        this process is still kept alive and that have room; the latest first."""
+        """Views of up to WARM_DRAWN workers chosen lately whose connection from this process is
+        still kept alive (`WorkerView.warm`) and that have room; the latest first."""
         views: list[WorkerView] = []
         roomy = pool.roomy.where
         for url, worker in reversed(self._recent.items()):
@@ -281,7 +276,7 @@ class FleetIndex:
                 continue
             view = self._build(worker, now)
             if room.has_room(view):
-                views.append(dataclasses.replace(view, warm=True))
+                views.append(view)
                 if len(views) == WARM_DRAWN:
                     break
         return views

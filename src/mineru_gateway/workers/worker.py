@@ -17,7 +17,13 @@ from typing import Any, NamedTuple
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 from mineru_gateway.workers.group_load import WorkerColumn
+from mineru_gateway.workers.upstream import KEEPALIVE_S
 from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad
+
+# A worker's connection from this process counts as kept alive (`WorkerView.warm`) for this
+# long after its last request here ended: the pool's keep-alive, less a margin for the request
+# about to be sent.
+WARM_S = KEEPALIVE_S - 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +162,13 @@ class Worker:
         """
         scrape, built, routable = self.scrape, self._view, self.routable
         in_flight, cost = self.gateway_load()
+        warm = now - self.released_at < WARM_S
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
             if (
                 same_models
+                and view.warm == warm
                 and view.in_flight == in_flight
                 and view.own_cost == cost
                 and view.healthy == routable
@@ -187,6 +195,7 @@ class Worker:
             reported=reported,
             slowness=slowness,
             batch_limit=batch_limit,
+            warm=warm,
         )
         self._view = _BuiltView(view, scrape, self.models, until)
         return view
