@@ -9,7 +9,7 @@ import time
 import pytest
 from redis import Redis
 
-from mineru_gateway.cache.redis_link import RedisLink, RedisReplyError
+from mineru_gateway.redis_link import RedisLink, RedisReplyError
 from tests.cache.conftest import RedisServer
 
 
