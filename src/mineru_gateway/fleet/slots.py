@@ -26,6 +26,7 @@ import itertools
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -306,20 +307,27 @@ class FleetSlots:
             await self._exchange()
         await self._redis.close()
 
-    def collector(self) -> Collector:
-        return FleetCollector(self)
+    def collector(self, tenants: Sharing | None = None) -> Collector:
+        """Fleet state's metrics; `tenants`' fallback (fleet/tenants.py) shows in the gauge."""
+        return FleetCollector(self, tenants)
+
+
+class Sharing(Protocol):
+    fallback: bool
 
 
 class FleetCollector(Collector):
-    def __init__(self, slots: FleetSlots) -> None:
+    def __init__(self, slots: FleetSlots, tenants: Sharing | None = None) -> None:
         self._slots = slots
+        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         fallback = GaugeMetricFamily(
             "mineru_gateway_fleet_state_fallback",
             "1 while Redis is away and this process limits tenants' requests alone.",
         )
-        fallback.add_metric([], float(self._slots.fallback))
+        alone = self._slots.fallback or (self._tenants is not None and self._tenants.fallback)
+        fallback.add_metric([], float(alone))
         yield fallback
         held = GaugeMetricFamily(
             "mineru_gateway_fleet_state_slots",
