@@ -219,20 +219,23 @@ def build_dispatcher(
     if siblings is None or table is None:
         # The other replicas' counts of each tenant, when fleet state is on.
         shared = build_fleet_tenants(settings, fleet)
-        return Dispatcher(
+        alone = Dispatcher(
             registry,
-            FairQueue(limits, elsewhere=shared),
+            FairQueue(limits, elsewhere=shared, in_flight_elsewhere=None),
             room,
             enabled=settings.flow_control,
             fleet=fleet,
             fleet_tenants=shared,
         )
+        if shared is not None:
+            shared.on_change = alone.pump  # others' counts changed: order and limits may too
+        return alone
     tenants = siblings.group_tenants()
     shared = build_fleet_tenants(settings, fleet, tenants, str(siblings.directory), siblings.index)
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
         registry,
-        FairQueue(limits, elsewhere=tenants if shared is None else shared),
+        FairQueue(limits, elsewhere=shared or tenants, in_flight_elsewhere=tenants),
         room,
         enabled=settings.flow_control,
         coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),
@@ -240,6 +243,8 @@ def build_dispatcher(
         fleet_tenants=shared,
     )
     doorbell.listen(dispatcher.pump)
+    if shared is not None:
+        shared.on_change = dispatcher.pump
     return dispatcher
 
 

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import secrets
 import socket
+from collections.abc import Callable
 
 import structlog
 
@@ -145,6 +146,9 @@ class FleetTenants:
         self._task: asyncio.Task[None] | None = None
         self.fallback = False
         self.metrics = metrics or FleetMetrics()  # fleet/slots.py's, when both run
+        # Called when the others' totals changed: a queue waits on events, and a tenant's
+        # order or limits may have moved with no event of this process's.
+        self.on_change: Callable[[], None] | None = None
 
     # -- flow.TenantsElsewhere ----------------------------------------------------------------
     def others(self, tenant: str) -> Counts:
@@ -188,7 +192,9 @@ class FleetTenants:
             self._dirty = self._dirty or write
             self._fall_back(error)
             return
-        self._remote = remote
+        changed, self._remote = remote != self._remote, remote
+        if changed and self.on_change is not None:
+            self.on_change()
         self._unwritten = 0 if write else self._unwritten + 1
         if self.fallback:
             self.fallback = False
@@ -210,7 +216,10 @@ class FleetTenants:
 
     def _fall_back(self, error: BaseException) -> None:
         self._loaded = False  # a Redis that comes back may be a new one
-        self._remote = {}  # counts this replica alone
+        if self._remote:
+            self._remote = {}  # counts this replica alone
+            if self.on_change is not None:
+                self.on_change()
         if self.fallback:
             return
         self.fallback = True
