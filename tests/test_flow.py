@@ -154,6 +154,36 @@ def test_a_tenants_in_flight_limit_holds_across_processes(tmp_path: Path) -> Non
     assert head is not None and head.name == "capped"
 
 
+class OtherReplicas:
+    """Fixed counts of each tenant elsewhere, as fleet state reads them from Redis."""
+
+    def __init__(self, counts: dict[str, tuple[int, int, int]]) -> None:
+        self.counts = counts
+
+    def others(self, tenant: str) -> tuple[int, int, int]:
+        return self.counts.get(tenant, (0, 0, 0))
+
+    def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
+        pass
+
+
+def test_in_flight_elsewhere_apart_orders_by_share_but_limits_on_its_own_counts() -> None:
+    """Fleet state: other replicas' requests in flight rank a tenant's share, while its
+    `max_in_flight` is held by Redis's slots, not by their counts."""
+    capped = TenantPolicy("capped", max_in_flight=2)
+    elsewhere = OtherReplicas({"capped": (5, 0, 0), "b": (1, 0, 0)})
+    queue = FairQueue(elsewhere=elsewhere, in_flight_elsewhere=None)
+    queue.push(ticket(capped))
+    queue.push(ticket(B))
+    assert queue.may_start(capped)
+    assert queue.share(capped) == 5.0
+    served = [head.name for head in drain(queue)]
+    assert served == ["b", "capped"]  # b holds less of the fleet; capped is not held back
+    counted = FairQueue(elsewhere=elsewhere)
+    counted.push(ticket(capped))
+    assert not counted.may_start(capped) and counted.next() is None
+
+
 def test_a_tenants_queue_limits_hold_across_processes(tmp_path: Path) -> None:
     first, second = sibling_queues(tmp_path)
     small = TenantPolicy("small", max_queued=3, max_queued_bytes=100)

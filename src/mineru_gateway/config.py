@@ -490,6 +490,13 @@ class GatewaySettings(BaseSettings):
         description="How often requests waiting for a tenant's slot (at its fleet-wide limit) "
         "ask Redis again.",
     )
+    fleet_state_share_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often each process shares its tenants' queued and in-flight counts "
+        "through Redis and reads the other replicas': their queue limits may be passed by what "
+        "other replicas queued within it.",
+    )
     npu_smi: str = Field(
         "auto",
         description="NPU telemetry in /metrics: auto (npu-smi where installed, none without "

@@ -43,6 +43,7 @@ so a snapshot shows some waiting at any load.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -202,16 +203,29 @@ class ModelQueue:
     oldest: float  # when the longest-waiting one arrived (the caller's clock)
 
 
+class _Same(enum.Enum):
+    AS_ELSEWHERE = 0
+
+
 class FairQueue:
     """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
 
     def __init__(
-        self, limits: QueueLimits | None = None, elsewhere: TenantsElsewhere | None = None
+        self,
+        limits: QueueLimits | None = None,
+        elsewhere: TenantsElsewhere | None = None,
+        in_flight_elsewhere: TenantsElsewhere | _Same | None = _Same.AS_ELSEWHERE,
     ) -> None:
         """`elsewhere`: the other processes' counts of each tenant, which its limits and share
-        then include. The queue's totals stay this process's: they bound its memory."""
+        then include. The queue's totals stay this process's: they bound its memory.
+        `in_flight_elsewhere`: the counts a tenant's `max_in_flight` adds, when not all of
+        `elsewhere`'s (fleet state holds it across replicas exactly, fleet/slots.py, so only
+        this replica's processes count here)."""
         self.limits = limits or QueueLimits()
         self._elsewhere = elsewhere
+        self._limit_elsewhere = (
+            elsewhere if isinstance(in_flight_elsewhere, _Same) else in_flight_elsewhere
+        )
         self._bands: dict[int, _Band] = {}
         self._tenants: dict[str, _TenantState] = {}
         self.queued = 0
@@ -289,7 +303,11 @@ class FairQueue:
         for name, tickets in band.queues.items():
             state = self._tenants[name]
             everywhere = state.in_flight + self._others(name)[0]  # read once for both
-            if _may_start(state.policy, everywhere):
+            if self._limit_elsewhere is not self._elsewhere:
+                limited = state.in_flight + self._limited_others(name)
+            else:
+                limited = everywhere
+            if _may_start(state.policy, limited):
                 tag = max(band.clock, state.finish.get(priority, 0.0))
                 yield tag, everywhere / state.policy.weight, tickets[0]
 
@@ -379,8 +397,13 @@ class FairQueue:
         state = self._tenants.get(tenant)
         return state.in_flight if state else 0
 
+    def _limited_others(self, tenant: str) -> int:
+        """The other processes' requests in flight that count against `max_in_flight`."""
+        elsewhere = self._limit_elsewhere
+        return 0 if elsewhere is None else elsewhere.others(tenant)[0]
+
     def may_start(self, tenant: TenantPolicy) -> bool:
-        return _may_start(tenant, self.in_flight(tenant.name) + self._others(tenant.name)[0])
+        return _may_start(tenant, self.in_flight(tenant.name) + self._limited_others(tenant.name))
 
     def share(self, tenant: TenantPolicy) -> float:
         """The tenant's requests in flight, in every process, for its weight: how queue heads

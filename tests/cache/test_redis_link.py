@@ -9,7 +9,7 @@ import time
 import pytest
 from redis import Redis
 
-from mineru_gateway.cache.redis_link import RedisLink, RedisReplyError
+from mineru_gateway.redis_link import RedisLink, RedisReplyError
 from tests.cache.conftest import RedisServer
 
 
@@ -86,3 +86,28 @@ async def test_the_urls_password_and_database_are_used() -> None:
         await wrong.close()
     finally:
         server.stop()
+
+
+async def test_any_command_and_arrays_nil_and_errors_come_back(redis_server: RedisServer) -> None:
+    link = RedisLink(redis_server.url)
+    script = "return {1, 'two', {3, false}, redis.error_reply('NOPE inner')}"
+    reply = await link.call("EVAL", script, 0)
+    assert isinstance(reply, list) and reply[:3] == [1, b"two", [3, None]]
+    assert isinstance(reply[3], RedisReplyError) and "NOPE" in str(reply[3])
+    assert await link.call("ZADD", "z", 1, "a") == 1
+    with pytest.raises(RedisReplyError, match="NOSCRIPT"):
+        await link.call("EVALSHA", "0" * 40, 0)
+    await link.close()
+
+
+async def test_a_pipeline_sends_together_and_raises_an_error_after_every_reply(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(redis_server.url)
+    assert await link.pipeline([]) == []
+    replies = await link.pipeline([("SET", "a", "1"), ("INCR", "a"), ("GET", "a")])
+    assert replies == [b"OK", 2, b"2"]
+    with pytest.raises(RedisReplyError, match="NOSCRIPT"):
+        await link.pipeline([("EVALSHA", "0" * 40, 0), ("INCR", "a")])
+    assert await link.get(b"a") == b"3"  # the command after the error ran, its reply was read
+    await link.close()

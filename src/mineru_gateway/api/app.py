@@ -35,7 +35,7 @@ from mineru_gateway.cache.service import build_result_cache
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.errors import GatewayError
-from mineru_gateway.fleet import build_fleet_slots
+from mineru_gateway.fleet import build_fleet_slots, build_fleet_tenants
 from mineru_gateway.fleet.backlog import BacklogCollector
 from mineru_gateway.flow import FairQueue, QueueLimits, RoomPolicy
 from mineru_gateway.metrics import (
@@ -217,20 +217,34 @@ def build_dispatcher(
     )
     fleet = build_fleet_slots(settings)  # tenants' in-flight slots shared by every replica
     if siblings is None or table is None:
-        return Dispatcher(
-            registry, FairQueue(limits), room, enabled=settings.flow_control, fleet=fleet
+        # The other replicas' counts of each tenant, when fleet state is on.
+        shared = build_fleet_tenants(settings, fleet)
+        alone = Dispatcher(
+            registry,
+            FairQueue(limits, elsewhere=shared, in_flight_elsewhere=None),
+            room,
+            enabled=settings.flow_control,
+            fleet=fleet,
+            fleet_tenants=shared,
         )
+        if shared is not None:
+            shared.on_change = alone.pump  # others' counts changed: order and limits may too
+        return alone
     tenants = siblings.group_tenants()
+    shared = build_fleet_tenants(settings, fleet, tenants, str(siblings.directory), siblings.index)
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
         registry,
-        FairQueue(limits, elsewhere=tenants),
+        FairQueue(limits, elsewhere=shared or tenants, in_flight_elsewhere=tenants),
         room,
         enabled=settings.flow_control,
         coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),
         fleet=fleet,
+        fleet_tenants=shared,
     )
     doorbell.listen(dispatcher.pump)
+    if shared is not None:
+        shared.on_change = dispatcher.pump
     return dispatcher
 
 
@@ -285,8 +299,9 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
     )
     context.metrics_registry.register(collector)
     context.metrics_registry.register(BacklogCollector(context.dispatcher))
-    if context.dispatcher.fleet is not None:
-        context.metrics_registry.register(context.dispatcher.fleet.collector())
+    dispatcher = context.dispatcher
+    if dispatcher.fleet is not None:
+        context.metrics_registry.register(dispatcher.fleet.collector(dispatcher.fleet_tenants))
     if context.results is not None:
         context.metrics_registry.register(context.results.collector())
     if telemetry is not None:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from mineru_gateway.cache.answers import Answer, decode, encode
 from mineru_gateway.cache.metrics import CacheMetrics
-from mineru_gateway.cache.redis_link import RedisLink, RedisReplyError
+from mineru_gateway.redis_link import RedisLink, RedisReplyError
 
 REDIS_PREFIX = b"mineru-gateway:cache:"
 

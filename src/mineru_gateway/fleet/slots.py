@@ -26,17 +26,15 @@ import itertools
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from mineru_gateway.flow import TenantPolicy
 from mineru_gateway.metrics import Counter
+from mineru_gateway.redis_link import Argument, RedisLink, RedisReplyError
 
 log = structlog.get_logger("mineru_gateway.fleet")
 
@@ -141,13 +139,8 @@ class FleetSlots:
         probe_s: float = 1.0,
         poll_s: float = 0.05,
     ) -> None:
-        # No retries inside the client: one bounded try, then this replica counts alone.
-        self._redis = Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        # The link never retries: one bounded try, then this replica counts alone.
+        self._redis = RedisLink(url, connect_timeout_s=timeout_s)
         self._take_sha = hashlib.sha1(_TAKE.encode()).hexdigest()
         self._renew_sha = hashlib.sha1(_RENEW.encode()).hexdigest()
         self._loaded = False  # the scripts are in Redis's script cache
@@ -241,23 +234,22 @@ class FleetSlots:
         asks, self._asks = [ask for ask in self._asks if not ask.answer.done()], []
         tenants = _by_tenant(asks)
         ended, self._ended, self._ended_count = self._ended, {}, 0
+        commands: list[tuple[Argument, ...]] = [(b"ZREM", key, *ids) for key, ids in ended.items()]
+        for (key, limit), group in tenants.items():
+            ids = [id_ for ask in group for id_ in ask.ids]
+            commands.append((b"EVALSHA", self._take_sha, 1, key, limit, self._lease_ms, *ids))
+        if renew:
+            for key, held in self._held.items():
+                commands.append((b"EVALSHA", self._renew_sha, 1, key, self._lease_ms, *held))
         try:
             async with asyncio.timeout(self.timeout_s):
                 if not self._loaded:
-                    await self._redis.script_load(_TAKE)
-                    await self._redis.script_load(_RENEW)
+                    await self._redis.pipeline(
+                        [(b"SCRIPT", b"LOAD", _TAKE), (b"SCRIPT", b"LOAD", _RENEW)]
+                    )
                     self._loaded = True
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, ids in ended.items():
-                        pipe.zrem(key, *ids)
-                    for (key, limit), group in tenants.items():
-                        ids = [id_ for ask in group for id_ in ask.ids]
-                        pipe.evalsha(self._take_sha, 1, key, limit, self._lease_ms, *ids)
-                    if renew:
-                        for key, held in self._held.items():
-                            pipe.evalsha(self._renew_sha, 1, key, self._lease_ms, *held)
-                    results = await pipe.execute()
-        except (TimeoutError, RedisError, OSError) as error:
+                results = await self._redis.pipeline(commands)
+        except (TimeoutError, RedisReplyError, OSError) as error:
             for key, ids in ended.items():
                 self._end(key, ids)
             self._fall_back(error)
@@ -265,7 +257,7 @@ class FleetSlots:
             self._answer_alone()
             return
         for group, granted in zip(tenants.values(), results[len(ended) :], strict=False):
-            left = int(granted)
+            left = granted if isinstance(granted, int) else 0
             for ask in group:  # first come, first served
                 ask.give(min(left, len(ask.ids)))
                 left -= min(left, len(ask.ids))
@@ -313,22 +305,29 @@ class FleetSlots:
         self._held.clear()
         if self._ended and not self.fallback:
             await self._exchange()
-        await self._redis.aclose()
+        await self._redis.close()
 
-    def collector(self) -> Collector:
-        return FleetCollector(self)
+    def collector(self, tenants: Sharing | None = None) -> Collector:
+        """Fleet state's metrics; `tenants`' fallback (fleet/tenants.py) shows in the gauge."""
+        return FleetCollector(self, tenants)
+
+
+class Sharing(Protocol):
+    fallback: bool
 
 
 class FleetCollector(Collector):
-    def __init__(self, slots: FleetSlots) -> None:
+    def __init__(self, slots: FleetSlots, tenants: Sharing | None = None) -> None:
         self._slots = slots
+        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         fallback = GaugeMetricFamily(
             "mineru_gateway_fleet_state_fallback",
             "1 while Redis is away and this process limits tenants' requests alone.",
         )
-        fallback.add_metric([], float(self._slots.fallback))
+        alone = self._slots.fallback or (self._tenants is not None and self._tenants.fallback)
+        fallback.add_metric([], float(alone))
         yield fallback
         held = GaugeMetricFamily(
             "mineru_gateway_fleet_state_slots",

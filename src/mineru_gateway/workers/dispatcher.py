@@ -32,6 +32,7 @@ from collections.abc import Callable
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
 from mineru_gateway.fleet.slots import FleetSlots, Permit
+from mineru_gateway.fleet.tenants import FleetTenants
 from mineru_gateway.flow import (
     CostDrain,
     DrainRate,
@@ -109,13 +110,16 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         coordination: Coordination = ALONE,
         fleet: FleetSlots | None = None,
+        fleet_tenants: FleetTenants | None = None,
     ) -> None:
         """`coordination`: how decisions agree with the sibling processes (coordination.py);
         `ALONE` for a gateway of one process. `fleet`: tenants' in-flight slots shared by
-        every replica; None counts them in this process only."""
+        every replica; None counts them in this process only. `fleet_tenants`: the queue's
+        counts shared with the other replicas (started and stopped with the dispatcher)."""
         self.registry = registry
         self.coordination = coordination
         self.fleet = fleet
+        self.fleet_tenants = fleet_tenants
         self.queue = queue
         self.room = room
         self.enabled = enabled
@@ -144,6 +148,8 @@ class Dispatcher:
     async def start(self) -> None:
         if self.fleet is not None:
             await self.fleet.start()
+        if self.fleet_tenants is not None:
+            await self.fleet_tenants.start()
 
     async def stop(self) -> None:
         if self._seeking is not None:
@@ -151,6 +157,8 @@ class Dispatcher:
             await asyncio.gather(self._seeking, return_exceptions=True)
         if self.fleet is not None:
             await self.fleet.close()
+        if self.fleet_tenants is not None:
+            await self.fleet_tenants.close()
 
     # -- the relay's side -----------------------------------------------------------------
     async def acquire(self, admission: Admission) -> Grant:

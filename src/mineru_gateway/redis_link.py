@@ -1,17 +1,20 @@
-"""The cache's Redis client: GET and SET on one pipelined connection (docs/cache.md, "Redis").
+"""The gateway's one Redis client: commands on one pipelined connection (docs/cache.md, "Redis").
 
-The cache needs two commands, on every cacheable request, so their cost is the Redis path's cost.
-A general client pays for generality on each command: a connection taken from a pool under a lock
-and given back, a check for unread data, one connection per concurrent command (each opened with
-its own handshake when a burst comes). Here one connection carries every command of the process
-in order. Redis answers a connection's commands in the order they came, so replies go to their
+The cache (cache/stores.py) sends a GET or SET on every cacheable request, and fleet state
+(fleet/) a few commands per admission, so a command's cost is the Redis path's cost. A general
+client pays for generality on each command: a connection taken from a pool under a lock and given
+back, a check for unread data, one connection per concurrent command (each opened with its own
+handshake when a burst comes); measured, it costs several times this one's CPU per GET
+(benchmarks/results/redis_clients.md). Here one connection carries every command of a link in
+order. Redis answers a connection's commands in the order they came, so replies go to their
 waiters first in, first out; a waiter that gave up (its timeout) leaves a reply that is read and
 dropped, and the connection stays usable. A lost connection fails every waiter at once; the next
 command opens a new one.
 
 URLs: `redis://[[user]:password@]host[:port][/db]`, `rediss://` (TLS), `unix://path?db=N`.
-Replies are RESP2: what GET, SET, AUTH and SELECT answer (a simple string, an error, an integer,
-a bulk string or nil).
+Replies are RESP2: a simple string, an error, an integer, a bulk string, nil, or an array of
+those (what a Lua script returns). `pipeline` sends several commands at once and awaits all their
+replies: the round trip redis-py's pipelines make.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 
 class RedisReplyError(Exception):
-    """Redis answered a command with an error, or with something the cache never asks for."""
+    """Redis answered a command with an error, or with something no command here asks for."""
 
 
-Reply = bytes | int | None
-_BULK, _SIMPLE, _ERROR, _INTEGER = b"$+-:"
+Reply = bytes | int | list[Any] | None  # an array's items are Replies
+Argument = bytes | str | int
+_BULK, _SIMPLE, _ERROR, _INTEGER, _ARRAY = b"$+-:*"
 
 
 class RedisLink:
@@ -48,6 +52,25 @@ class RedisLink:
 
     async def set(self, key: bytes, value: bytes, px: int) -> None:
         await self._call((b"SET", key, value, b"PX", b"%d" % px))
+
+    async def call(self, *command: Argument) -> Reply:
+        """Any command; its reply. An error reply is raised as RedisReplyError."""
+        return await self._call(_encoded(command))
+
+    async def pipeline(self, commands: list[tuple[Argument, ...]]) -> list[Reply]:
+        """The commands written together, their replies awaited together (in order). After
+        every reply is in, the first error reply among them is raised as RedisReplyError."""
+        if not commands:
+            return []
+        protocol = self._protocol
+        if protocol is None or protocol.lost:
+            protocol = await self._open()
+        waiters = protocol.send([_encoded(command) for command in commands])
+        replies = await asyncio.gather(*waiters, return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        return cast(list[Reply], replies)
 
     async def close(self) -> None:
         if self._opening is not None and not self._opening.done():
@@ -145,15 +168,24 @@ class _Replies(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     async def call(self, command: tuple[bytes, ...]) -> Reply:
+        (waiter,) = self.send([command])
+        return await waiter
+
+    def send(self, commands: list[tuple[bytes, ...]]) -> list[asyncio.Future[Reply]]:
+        """Writes the commands in one go; a future for each one's reply."""
         if self.lost or self._transport is None:
             raise ConnectionError("the connection to Redis is closed")
-        waiter: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        parts = [b"*%d\r\n" % len(command)]
-        for argument in command:
-            parts += (b"$%d\r\n" % len(argument), argument, b"\r\n")
+        loop = asyncio.get_running_loop()
+        parts: list[bytes] = []
+        waiters: list[asyncio.Future[Reply]] = []
+        for command in commands:
+            parts.append(b"*%d\r\n" % len(command))
+            for argument in command:
+                parts += (b"$%d\r\n" % len(argument), argument, b"\r\n")
+            waiters.append(loop.create_future())
         self._transport.writelines(parts)
-        self._waiters.append(waiter)
-        return await waiter
+        self._waiters.extend(waiters)
+        return waiters
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -200,29 +232,55 @@ def _retrieved(opening: asyncio.Future[Any]) -> None:
         opening.exception()
 
 
-def _parse(buffer: bytearray) -> tuple[int, Any]:
-    """(bytes used, the reply) of the first whole reply in `buffer`; (0, None) when it is not all
-    in yet. An error reply is returned as a RedisReplyError, not raised."""
-    end = buffer.find(b"\r\n")
+def _encoded(command: tuple[Argument, ...]) -> tuple[bytes, ...]:
+    return tuple(
+        a if isinstance(a, bytes) else (a.encode() if isinstance(a, str) else b"%d" % a)
+        for a in command
+    )
+
+
+def _parse(buffer: bytearray, at: int = 0) -> tuple[int, Any]:
+    """(bytes used, the reply) of the first whole reply in `buffer` from `at`; (0, None) when it
+    is not all in yet. An error reply is returned as a RedisReplyError, not raised (inside an
+    array too)."""
+    end = buffer.find(b"\r\n", at)
     if end < 0:
         return 0, None
-    kind, line = buffer[0], bytes(buffer[1:end])
+    kind, line = buffer[at], bytes(buffer[at + 1 : end])
     try:
-        number = int(line) if kind in (_BULK, _INTEGER) else 0
+        number = int(line) if kind in (_BULK, _INTEGER, _ARRAY) else 0
     except ValueError:
         raise RedisReplyError(f"unexpected reply from Redis: {bytes(buffer[:32])!r}") from None
+    used = end + 2 - at
     if kind == _BULK:
         if number < 0:
-            return end + 2, None
+            return used, None
         start = end + 2
         if len(buffer) < start + number + 2:
             return 0, None
         with memoryview(buffer) as view:
-            return start + number + 2, bytes(view[start : start + number])
+            return used + number + 2, bytes(view[start : start + number])
     if kind == _SIMPLE:
-        return end + 2, line
+        return used, line
     if kind == _ERROR:
-        return end + 2, RedisReplyError(line.decode("utf-8", "replace"))
+        return used, RedisReplyError(line.decode("utf-8", "replace"))
     if kind == _INTEGER:
-        return end + 2, number
+        return used, number
+    if kind == _ARRAY:
+        return _parse_array(buffer, at + used, number, used)
     raise RedisReplyError(f"unexpected reply from Redis: {bytes(buffer[:32])!r}")
+
+
+def _parse_array(buffer: bytearray, at: int, count: int, used: int) -> tuple[int, Any]:
+    """The `count` items of an array whose header took `used` bytes, from `at`."""
+    if count < 0:
+        return used, None
+    items: list[Any] = []
+    for _ in range(count):
+        taken, item = _parse(buffer, at)
+        if not taken:
+            return 0, None
+        items.append(item)
+        at += taken
+        used += taken
+    return used, items

@@ -1,0 +1,260 @@
+"""Tenants' queue counts and shares across replicas: each process's counts in Redis.
+
+A tenant's `max_queued`, `max_queued_bytes` and its fair share count its requests in every process
+of one replica through the siblings' table (workers/group_load.py, `GroupTenants`). Here the
+other replicas' are added (docs/operate/fleet-state.md), as a `flow.TenantsElsewhere`:
+
+- Every `share_s` each process sends one pipelined round trip: its own (in flight, queued,
+  queued bytes) per tenant, when they changed or every `KEEPALIVE_PERIODS` periods, written to
+  a hash of its own with a TTL (a crashed replica's counts vanish with it); and the other
+  replicas' totals per tenant, read back in the same script. `others()` reads those totals
+  without I/O, so they are up to one period old: a queue limit can be passed by what other
+  replicas queued within one period. `max_in_flight` stays exact (fleet/slots.py).
+- A process's hash is named by its replica and its index; the processes of one replica share
+  the replica part, and the script leaves that replica's hashes out of the totals: the
+  siblings' table counts them already, and fresher.
+- Tenants' names are never in Redis: a hash of each names its field (as slots.py's keys).
+- Redis down or slow (`timeout_s`): the process counts its replica alone, sets
+  `mineru_gateway_fleet_state_fallback` and logs it; it tries Redis again every `probe_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import secrets
+import socket
+from collections.abc import Callable
+
+import structlog
+
+from mineru_gateway.fleet.slots import FleetMetrics
+from mineru_gateway.flow import TenantsElsewhere
+from mineru_gateway.redis_link import Argument, RedisLink, RedisReplyError
+
+log = structlog.get_logger("mineru_gateway.fleet")
+
+KEY_PREFIX = "mineru-gateway:fleet:tenants:"
+INDEX_KEY = KEY_PREFIX + "index"  # every process's hash, scored by when it expires
+KEEPALIVE_PERIODS = 4  # unchanged counts are written again every so many periods
+TTL_PERIODS = 12  # a process's counts outlive three missed keep-alives, no more
+
+Counts = tuple[int, int, int]  # in flight, queued, queued bytes
+
+# Redis's clock in milliseconds (as fleet/slots.py's scripts).
+# KEYS[1] the index, KEYS[2] this process's hash. ARGV: TTL ms, this process's member,
+# its replica's prefix of members, the hashes' key prefix, "1" to write its counts (then
+# field, "in-flight queued bytes" pairs). Returns the other replicas' totals, flat:
+# field, in flight, queued, queued bytes, ...
+_SHARE = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+if ARGV[5] == '1' then
+  redis.call('DEL', KEYS[2])
+  for i = 6, #ARGV, 2 do
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local own = ARGV[3]
+local totals, order = {}, {}
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.sub(member, 1, #own) ~= own then
+    local found = redis.call('HGETALL', ARGV[4] .. member)
+    for i = 1, #found, 2 do
+      local f, q, b = string.match(found[i + 1], '^(%d+) (%d+) (%d+)$')
+      if f then
+        local sum = totals[found[i]]
+        if not sum then
+          sum = {0, 0, 0}
+          totals[found[i]] = sum
+          order[#order + 1] = found[i]
+        end
+        sum[1] = sum[1] + tonumber(f)
+        sum[2] = sum[2] + tonumber(q)
+        sum[3] = sum[3] + tonumber(b)
+      end
+    end
+  end
+end
+local reply = {}
+for _, field in ipairs(order) do
+  local sum = totals[field]
+  reply[#reply + 1] = field
+  reply[#reply + 1] = sum[1]
+  reply[#reply + 1] = sum[2]
+  reply[#reply + 1] = sum[3]
+end
+return reply
+"""
+_SHARE_SHA = hashlib.sha1(_SHARE.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=65536)
+def tenant_field(name: str) -> bytes:
+    """A tenant's field in a process's hash: a hash of its name, never the name."""
+    digest = hashlib.sha256(b"mineru-gateway fleet tenants\0" + name.encode()).hexdigest()
+    return digest[:32].encode()
+
+
+def replica_id(directory: str | None = None) -> str:
+    """This replica's id, 16 hex digits: for several processes, one derived from their shared
+    directory (siblings.py; a fresh temporary directory per run) and the host's name, alike in
+    each; for one process, a random one."""
+    if directory is None:
+        return secrets.token_hex(8)
+    seed = f"{socket.gethostname()}\0{directory}".encode()
+    return hashlib.sha256(seed).hexdigest()[:16]
+
+
+class FleetTenants:
+    """`flow.TenantsElsewhere` over every replica (module docstring). `local`: the other
+    processes of this replica (the siblings' table), or None for a replica of one process;
+    `replica`: 16 hex digits shared by this replica's processes, `process` this one's index."""
+
+    def __init__(
+        self,
+        url: str,
+        local: TenantsElsewhere | None,
+        *,
+        replica: str,
+        process: int = 0,
+        share_s: float = 0.25,
+        timeout_s: float = 0.05,
+        probe_s: float = 1.0,
+        metrics: FleetMetrics | None = None,
+    ) -> None:
+        self._redis = RedisLink(url, connect_timeout_s=timeout_s)
+        self._local = local
+        self._member = f"{replica}:{process}"
+        self._own = f"{replica}:"
+        self._ttl_ms = max(1, int(share_s * TTL_PERIODS * 1000))
+        self.share_s = share_s
+        self.timeout_s = timeout_s
+        self.probe_s = probe_s
+        self._mine: dict[str, Counts] = {}  # this process's counts, tenants with any
+        self._remote: dict[bytes, Counts] = {}  # other replicas' totals, by tenant field
+        self._dirty = True
+        self._unwritten = 0  # periods since this process's counts were last written
+        self._loaded = False  # the script is in Redis's script cache
+        self._task: asyncio.Task[None] | None = None
+        self.fallback = False
+        self.metrics = metrics or FleetMetrics()  # fleet/slots.py's, when both run
+        # Called when the others' totals changed: a queue waits on events, and a tenant's
+        # order or limits may have moved with no event of this process's.
+        self.on_change: Callable[[], None] | None = None
+
+    # -- flow.TenantsElsewhere ----------------------------------------------------------------
+    def others(self, tenant: str) -> Counts:
+        local = (0, 0, 0) if self._local is None else self._local.others(tenant)
+        if not self._remote:
+            return local
+        remote = self._remote.get(tenant_field(tenant))
+        if remote is None:
+            return local
+        return local[0] + remote[0], local[1] + remote[1], local[2] + remote[2]
+
+    def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
+        if self._local is not None:
+            self._local.publish(tenant, in_flight, queued, queued_bytes)
+        if in_flight or queued or queued_bytes:
+            self._mine[tenant] = (in_flight, queued, queued_bytes)
+        elif self._mine.pop(tenant, None) is None:
+            return
+        self._dirty = True
+
+    # -- Redis ----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_s if self.fallback else self.share_s)
+            await self.exchange()
+
+    async def exchange(self) -> None:
+        """One round trip: this process's counts (when changed, or due for a keep-alive, or
+        Redis is back) and the other replicas' totals."""
+        write = self._dirty or self.fallback or self._unwritten + 1 >= KEEPALIVE_PERIODS
+        self._dirty = False  # a publish during the round trip marks it again
+        command: list[Argument] = [b"EVALSHA", _SHARE_SHA, 2, INDEX_KEY, KEY_PREFIX + self._member]
+        command += [self._ttl_ms, self._member, self._own, KEY_PREFIX, b"1" if write else b"0"]
+        if write:
+            for tenant, (in_flight, queued, size) in self._mine.items():
+                command += [tenant_field(tenant), b"%d %d %d" % (in_flight, queued, size)]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                remote = _totals(await self._send(tuple(command)))
+        except (TimeoutError, RedisReplyError, OSError) as error:
+            self._dirty = self._dirty or write
+            self._fall_back(error)
+            return
+        changed, self._remote = remote != self._remote, remote
+        if changed and self.on_change is not None:
+            self.on_change()
+        self._unwritten = 0 if write else self._unwritten + 1
+        if self.fallback:
+            self.fallback = False
+            log.info("fleet_state_shared", part="tenants' queue counts")
+
+    async def _send(self, command: tuple[Argument, ...]) -> object:
+        """The script's run; loaded first when Redis does not have it (a new or restarted
+        Redis answers NOSCRIPT)."""
+        if not self._loaded:
+            await self._redis.call(b"SCRIPT", b"LOAD", _SHARE)
+            self._loaded = True
+        try:
+            return await self._redis.call(*command)
+        except RedisReplyError as error:
+            if not str(error).startswith("NOSCRIPT"):
+                raise
+        await self._redis.call(b"SCRIPT", b"LOAD", _SHARE)
+        return await self._redis.call(*command)
+
+    def _fall_back(self, error: BaseException) -> None:
+        self._loaded = False  # a Redis that comes back may be a new one
+        if self._remote:
+            self._remote = {}  # counts this replica alone
+            if self.on_change is not None:
+                self.on_change()
+        if self.fallback:
+            return
+        self.fallback = True
+        self.metrics.fallbacks.inc()
+        log.warning(
+            "fleet_state_fallback",
+            error=type(error).__name__,
+            detail=str(error)[:200],
+            meaning="tenants' queue limits and shares count this replica alone until Redis "
+            "answers again",
+        )
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        """Stops sharing; this process's counts are taken out of Redis (when it answers)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if not self.fallback:
+            self._mine.clear()
+            self._dirty = True
+            await self.exchange()
+        await self._redis.close()
+
+
+def _totals(reply: object) -> dict[bytes, Counts]:
+    """The script's flat reply as {field: (in flight, queued, queued bytes)}."""
+    if not isinstance(reply, list):
+        raise RedisReplyError(f"the tenants' script answered {reply!r}")
+    totals: dict[bytes, Counts] = {}
+    for at in range(0, len(reply) - 3, 4):
+        field, in_flight, queued, size = reply[at : at + 4]
+        if isinstance(field, bytes):
+            totals[field] = (int(in_flight), int(queued), int(size))
+    return totals
