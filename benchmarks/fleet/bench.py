@@ -14,7 +14,10 @@ default settings, then, all CPU from /proc (the machine is shared: wall time say
   gateway's CPU per request, less its CPU at rest over the same time (the rounds' median), and
   relative to W=8;
 - decisions, in this process: the time of one routing decision and lease (`Dispatcher.acquire`
-  and release) over a registry of W workers of which a quarter are full, p50 and p99.
+  and release) over a registry of W workers of which a quarter are full, p50 and p99;
+- replicas: `--replicas` gateways of `--replica-processes` processes each over the smallest
+  fleet (where each worker is read most often), sharing fleet state in one `redis-server`: the
+  GETs each worker answers them all, counted by the fleet.
 
     python -m benchmarks.fleet --out benchmarks/results/fleet.json
 
@@ -40,6 +43,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from benchmarks.cache.__main__ import redis
 from benchmarks.fleet.report import render
 
 from mineru_gateway.testing import cpu_seconds, free_port, process_tree
@@ -91,10 +95,12 @@ def fleet(workers: int) -> Iterator[tuple[list[str], str]]:
 
 
 @contextlib.contextmanager
-def gateway(urls: list[str], processes: int) -> Iterator[tuple[str, int]]:
+def gateway(
+    urls: list[str], processes: int, settings: dict[str, str] | None = None
+) -> Iterator[tuple[str, int]]:
     """`mineru-gateway serve` over `urls`, once every worker is healthy: its URL and pid."""
     port = free_port()
-    env = {**os.environ, "MINERU_GATEWAY_WORKERS": ",".join(urls)}
+    env = {**os.environ, "MINERU_GATEWAY_WORKERS": ",".join(urls), **(settings or {})}
     command = [sys.executable, "-m", "mineru_gateway", "serve", "--port", str(port)]
     command += ["--processes", str(processes)]
     process = subprocess.Popen(
@@ -208,6 +214,26 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
     }
 
 
+def measure_replicas(workers: int, replicas: int, processes: int) -> dict[str, Any]:
+    """The GETs each worker answers `replicas` gateways sharing fleet state."""
+    with contextlib.ExitStack() as stack:
+        store = redis(stack)
+        urls, stats = stack.enter_context(fleet(workers))
+        shared = {"MINERU_GATEWAY_FLEET_STATE": store}
+        for _ in range(replicas):
+            stack.enter_context(gateway(urls, processes, shared))
+        time.sleep(WARM_S)  # every replica has counted the others (a few share periods)
+        counts, start = orjson.loads(get(stats)), time.monotonic()
+        time.sleep(IDLE_S)
+        gets = gets_per_worker(counts, orjson.loads(get(stats)), time.monotonic() - start)
+    return {
+        "workers": workers,
+        "replicas": replicas,
+        "processes": processes,
+        "gets_per_worker_per_s": gets,
+    }
+
+
 DECISIONS = """
 import asyncio, inspect, json, random, sys, time
 from mineru_gateway.cost import Cost
@@ -260,7 +286,9 @@ def decision_times(size: int, decisions: int, src: str | None = None) -> dict[st
     return result
 
 
-def summarise(runs: list[dict[str, Any]], decisions: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    runs: list[dict[str, Any]], replica_runs: list[dict[str, Any]], decisions: dict[str, Any]
+) -> dict[str, Any]:
     """The targets (docs/operate/fleet-scale.md), from the runs."""
     base = {r["processes"]: r["cpu_us_per_request"] for r in runs if r["workers"] == 8}
     for run in runs:
@@ -270,13 +298,15 @@ def summarise(runs: list[dict[str, Any]], decisions: dict[str, Any]) -> dict[str
     # One reader per replica: the per-worker rate does not grow with the processes. The model
     # listing comes every MODELS_EVERY_S, maybe not within the window: counted in anyway.
     worst_rate = max(r["gets_per_worker_per_s"]["max"] for r in runs) + 1 / MODELS_EVERY_S
+    shared = [run["gets_per_worker_per_s"]["max"] for run in replica_runs]
     return {
         "largest_fleet": largest,
         "cpu_per_request_vs_w8_at_largest": max(r["cpu_per_request_vs_w8"] for r in at_largest),
         "idle_cores_at_largest": max(r["idle_cores"] for r in at_largest),
         "metrics_bytes_at_largest": max(r["metrics_bytes"] for r in at_largest),
         "gets_per_worker_per_s_one_replica_worst": worst_rate,
-        "gets_per_worker_per_s_4_replicas_x_8_processes": REPLICAS * worst_rate,
+        "gets_per_worker_per_s_4_replicas_alone": REPLICAS * worst_rate,
+        "gets_per_worker_per_s_replicas_sharing": max(shared, default=0.0) + 1 / MODELS_EVERY_S,
         "decisions": decisions,
     }
 
@@ -289,6 +319,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--decisions", type=int, default=3000)
     parser.add_argument("--baseline-src", default=None)
+    parser.add_argument("--replicas", type=int, default=REPLICAS)
+    parser.add_argument("--replica-processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fleet.json"))
     parser.add_argument(
         "--report-only", action="store_true", help="write the .md from the --out JSON only"
@@ -296,7 +328,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.report_only:
         result = json.loads(args.out.read_text())
-        result["summary"] = summarise(result["runs"], result["summary"]["decisions"])
+        decided = result["summary"]["decisions"]
+        result["summary"] = summarise(result["runs"], result.get("replica_runs", []), decided)
         write(args.out, result)
         return
     sizes = [int(n) for n in args.workers.split(",")]
@@ -315,11 +348,16 @@ def main() -> None:
             run = measure(size, processes, args.requests, args.concurrency)
             print(json.dumps(run), flush=True)
             runs.append(run)
+    replica_runs = []
+    if args.replicas > 1:
+        replica_runs.append(measure_replicas(min(sizes), args.replicas, args.replica_processes))
+        print(json.dumps(replica_runs[-1]), flush=True)
     result = {
         "command": "python -m benchmarks.fleet " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "runs": runs,
-        "summary": summarise(runs, decisions),
+        "replica_runs": replica_runs,
+        "summary": summarise(runs, replica_runs, decisions),
     }
     write(args.out, result)
     print(json.dumps(result["summary"], indent=2))

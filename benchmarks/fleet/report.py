@@ -8,8 +8,8 @@ TARGETS = (
     ("CPU per request at the largest fleet, vs W=8", "cpu_per_request_vs_w8_at_largest", 1.3, "x"),
     ("Idle CPU at the largest fleet (cores, one replica)", "idle_cores_at_largest", 0.1, ""),
     (
-        "GETs/s each worker answers from 4 replicas x 8 processes",
-        "gets_per_worker_per_s_4_replicas_x_8_processes",
+        "GETs/s each worker answers replicas sharing fleet state (the smallest fleet)",
+        "gets_per_worker_per_s_replicas_sharing",
         6.0,
         "",
     ),
@@ -21,23 +21,21 @@ WHY = """\
 
 - **A decision** draws a few workers with room (docs/operate/fleet-scale.md), so its time does
   not follow W; at W=8 the index costs a few microseconds more than a walk of eight workers.
-- **CPU per request** with one process does not grow with W. With 4 processes it does, and
-  the cause is not the decision: each process keeps its own keep-alive connection to each
-  worker it sends to (4 s), and with 4 processes x 1,024 workers the benchmark's request rate
-  brings one process's requests to one worker several seconds apart, so most requests make a
-  connection first (the requests per second fall with W in that column for the same reason).
-  Traffic that keeps 1,024 workers busy sends each pair more often than the benchmark's few
-  hundred requests per second; choosing, among the drawn workers, one the process holds a
-  connection to would remove the rest (not done). On this 2-core machine, shared with other
-  jobs, the 4 processes, the fleet and the client also contend for the cores: the rounds of
-  one run differ by up to a third.
+- **CPU per request** does not grow with W, with one process or four. Each process keeps a
+  connection to a worker alive for 4 s after its last request there; among equally loaded
+  drawn workers it takes one it holds a connection to (docs/operate/fleet-scale.md), so a
+  request rarely opens a connection first, however large the fleet. On this 2-core machine,
+  shared with other jobs, the 4 processes, the fleet and the client contend for the cores: the
+  rounds of one run differ by up to a third.
 - **Idle CPU** is mostly the reads and probes: `MAX_FLEET_GETS_PER_S` GETs per second at most,
   a worker's probe and read on one connection (usually made afresh: a worker's turn comes
   after its keep-alive lapsed), whatever W. With several processes, each of the others takes
   the reader's findings once per read period.
-- **GETs per worker** are measured on one replica (its processes share one reader and prober)
-  and multiplied by 4 replicas; the model listing (every 30 s, maybe outside the measured
-  window) is counted in.
+- **GETs per worker**: one replica's processes share one reader and prober, so the processes
+  do not multiply them. Replicas sharing fleet state split each worker's budget
+  (`MAX_WORKER_GETS_PER_S`), measured with the replicas running; without fleet state each
+  replica takes the whole budget (the runs above, one replica). The model listing (every 30 s,
+  maybe outside the measured window) is counted in.
 - **/metrics** past 64 workers holds per worker only the gauges operators watch per worker
   (health, in flight, queue, KV cache, figures' age) and the ejections. A scrape's CPU grows
   with those gauges, and with 4 processes with the merge of their figures; a render that costs
@@ -89,6 +87,21 @@ def render(result: dict[str, Any]) -> str:
             f"| {run['cpu_us_per_request']:.0f} | {run['cpu_per_request_vs_w8']:.2f}x "
             f"| {run['latency_ms_p50']:.1f} |"
         )
+    lines += [
+        "",
+        "## Replicas: the GETs each worker answers them all",
+        "",
+        "| W | replicas x processes | fleet state | GETs/s per worker (mean / max) |",
+        "| ---: | ---: | --- | ---: |",
+    ]
+    for run in result.get("replica_runs", []):
+        gets = run["gets_per_worker_per_s"]
+        lines.append(
+            f"| {run['workers']} | {run['replicas']} x {run['processes']} | Redis, shared "
+            f"| {gets['mean']:.2f} / {gets['max']:.2f} |"
+        )
+    alone = summary["gets_per_worker_per_s_4_replicas_alone"]
+    lines.append(f"| any | 4 x any | off (one replica's worst, x 4) | - / {alone:.2f} |")
     lines += [
         "",
         "## One routing decision and lease (a quarter of the workers full)",

@@ -182,13 +182,15 @@ class GatewaySettings(BaseSettings):
         "read periods, when the GET budget stretches them).",
     )
     max_worker_gets_per_s: float = Field(
-        6.0,
+        5.6,
         gt=0,
-        description="GETs per second each worker answers from this gateway (all its processes: "
-        "one reads and probes for all): /health, /v1/models every 30 s, and /metrics reads "
-        "with what is left, so load_interval_s is stretched to fit. The default keeps a small "
-        "fleet's reads at load_interval_s; with many workers max_fleet_gets_per_s bounds each "
-        "worker's share far below it (docs/operate/fleet-scale.md).",
+        description="GETs per second each worker answers from the whole gateway deployment: "
+        "/health, /v1/models every 30 s, and /metrics reads with what is left, so "
+        "load_interval_s is stretched to fit. One process of each replica reads and probes for "
+        "all; with fleet_state on, the replicas it counts share the budget, else each replica "
+        "takes all of it. The default is what one replica needs to read a small fleet every "
+        "load_interval_s (0.2 s) and probe it every health_interval_s (2 s); with many workers max_fleet_gets_per_s bounds each worker's share far "
+        "below it (docs/operate/fleet-scale.md).",
     )
     max_fleet_gets_per_s: float = Field(
         200.0,

@@ -51,6 +51,29 @@ async def test_each_replica_sees_the_others_counts_not_its_own(redis_server: Red
             await shares.close()
 
 
+async def test_replicas_are_counted_once_whatever_their_processes(
+    redis_server: RedisServer,
+) -> None:
+    """What each replica's share of a worker's GET budget is worked out from
+    (workers/registry.py): the replicas sharing, each counted once however many processes it
+    runs, and 1 while Redis is away."""
+    same = replica_id("/tmp/mineru-gateway-abc")
+    first = FleetTenants(redis_server.url, Siblings({}), replica=same, process=0)
+    second = FleetTenants(redis_server.url, Siblings({}), replica=same, process=1)
+    other = replica(redis_server.url)
+    try:
+        assert first.replicas() == 1  # nothing heard yet
+        for shares in (first, second, other, first, second, other):
+            await shares.exchange()
+        assert (first.replicas(), second.replicas(), other.replicas()) == (2, 2, 2)
+        redis_server.stop()
+        await first.exchange()
+        assert first.fallback and first.replicas() == 1
+    finally:
+        for shares in (first, second, other):
+            await shares.close()
+
+
 async def test_a_replicas_own_processes_come_from_its_table_not_redis(
     redis_server: RedisServer,
 ) -> None:

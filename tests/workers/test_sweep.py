@@ -89,6 +89,24 @@ def test_the_default_budget_keeps_each_worker_under_its_gets(workers: int) -> No
         assert 4 * (probes + reads) < 6
 
 
+@pytest.mark.parametrize("workers", [4, 8, 128, 1024])
+@pytest.mark.parametrize("replicas", [2, 4, 32])
+def test_replicas_that_fleet_state_counts_share_each_workers_budget(
+    workers: int, replicas: int
+) -> None:
+    """The per-worker budget is the whole deployment's: each of the replicas fleet state
+    counts takes its share, so together they stay within it at any fleet size."""
+    defaults = GatewaySettings()
+    budget = Budget(defaults.max_worker_gets_per_s, defaults.max_fleet_gets_per_s)
+    registry = registry_of(workers, budget)
+    alone = registry.visit_plan(workers)
+    registry.replicas = lambda: replicas
+    period, every = registry.visit_plan(workers)
+    probes = (1 + 2.0 / MODELS_EVERY_S) / (every * period)
+    assert replicas * (probes + 1 / period) <= defaults.max_worker_gets_per_s + 1e-9
+    assert period >= alone[0]
+
+
 @pytest.mark.parametrize(("budget", "fresh"), [(Budget(1.25, 200), True), (Budget(), False)])
 def test_readings_stay_fresh_for_two_read_periods(budget: Budget, fresh: bool) -> None:
     """At 1,024 workers the budget reads each every few seconds: a reading that old still

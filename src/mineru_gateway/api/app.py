@@ -229,6 +229,7 @@ def build_dispatcher(
         )
         if shared is not None:
             shared.on_change = alone.pump  # others' counts changed: order and limits may too
+            registry.replicas = shared.replicas  # they share each worker's budget of GETs
         return alone
     tenants = siblings.group_tenants()
     shared = build_fleet_tenants(settings, fleet, tenants, str(siblings.directory), siblings.index)
@@ -245,6 +246,7 @@ def build_dispatcher(
     doorbell.listen(dispatcher.pump)
     if shared is not None:
         shared.on_change = dispatcher.pump
+        registry.replicas = shared.replicas
     return dispatcher
 
 

@@ -45,8 +45,8 @@ Counts = tuple[int, int, int]  # in flight, queued, queued bytes
 # Redis's clock in milliseconds (as fleet/slots.py's scripts).
 # KEYS[1] the index, KEYS[2] this process's hash. ARGV: TTL ms, this process's member,
 # its replica's prefix of members, the hashes' key prefix, "1" to write its counts (then
-# field, "in-flight queued bytes" pairs). Returns the other replicas' totals, flat:
-# field, in flight, queued, queued bytes, ...
+# field, "in-flight queued bytes" pairs). Returns how many other replicas there are, then
+# their totals, flat: field, in flight, queued, queued bytes, ...
 _SHARE = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
@@ -63,9 +63,14 @@ if ARGV[5] == '1' then
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local own = ARGV[3]
-local totals, order = {}, {}
+local totals, order, replicas, others = {}, {}, {}, 0
 for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if string.sub(member, 1, #own) ~= own then
+    local replica = string.match(member, '^([^:]*):')
+    if replica and not replicas[replica] then
+      replicas[replica] = true
+      others = others + 1
+    end
     local found = redis.call('HGETALL', ARGV[4] .. member)
     for i = 1, #found, 2 do
       local f, q, b = string.match(found[i + 1], '^(%d+) (%d+) (%d+)$')
@@ -83,7 +88,7 @@ for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     end
   end
 end
-local reply = {}
+local reply = {others}
 for _, field in ipairs(order) do
   local sum = totals[field]
   reply[#reply + 1] = field
@@ -140,6 +145,7 @@ class FleetTenants:
         self.probe_s = probe_s
         self._mine: dict[str, Counts] = {}  # this process's counts, tenants with any
         self._remote: dict[bytes, Counts] = {}  # other replicas' totals, by tenant field
+        self._other_replicas = 0  # replicas, other than this one, with a process sharing
         self._dirty = True
         self._unwritten = 0  # periods since this process's counts were last written
         self._loaded = False  # the script is in Redis's script cache
@@ -169,6 +175,12 @@ class FleetTenants:
             return
         self._dirty = True
 
+    def replicas(self) -> int:
+        """The gateway's replicas that share counts here, this one included (1 while Redis is
+        away): what a budget set for the whole deployment is divided by
+        (docs/operate/fleet-scale.md)."""
+        return 1 + self._other_replicas
+
     # -- Redis ----------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
@@ -187,12 +199,13 @@ class FleetTenants:
                 command += [tenant_field(tenant), b"%d %d %d" % (in_flight, queued, size)]
         try:
             async with asyncio.timeout(self.timeout_s):
-                remote = _totals(await self._send(tuple(command)))
+                others, remote = _totals(await self._send(tuple(command)))
         except (TimeoutError, RedisReplyError, OSError) as error:
             self._dirty = self._dirty or write
             self._fall_back(error)
             return
         changed, self._remote = remote != self._remote, remote
+        self._other_replicas = others
         if changed and self.on_change is not None:
             self.on_change()
         self._unwritten = 0 if write else self._unwritten + 1
@@ -216,6 +229,7 @@ class FleetTenants:
 
     def _fall_back(self, error: BaseException) -> None:
         self._loaded = False  # a Redis that comes back may be a new one
+        self._other_replicas = 0
         if self._remote:
             self._remote = {}  # counts this replica alone
             if self.on_change is not None:
@@ -248,13 +262,14 @@ class FleetTenants:
         await self._redis.close()
 
 
-def _totals(reply: object) -> dict[bytes, Counts]:
-    """The script's flat reply as {field: (in flight, queued, queued bytes)}."""
-    if not isinstance(reply, list):
+def _totals(reply: object) -> tuple[int, dict[bytes, Counts]]:
+    """The script's reply: how many other replicas, and {field: (in flight, queued, queued
+    bytes)}."""
+    if not isinstance(reply, list) or not reply or not isinstance(reply[0], int):
         raise RedisReplyError(f"the tenants' script answered {reply!r}")
     totals: dict[bytes, Counts] = {}
-    for at in range(0, len(reply) - 3, 4):
+    for at in range(1, len(reply) - 3, 4):
         field, in_flight, queued, size = reply[at : at + 4]
         if isinstance(field, bytes):
             totals[field] = (int(in_flight), int(queued), int(size))
-    return totals
+    return reply[0], totals

@@ -80,6 +80,9 @@ class WorkerRegistry:
         metrics = metrics or GatewayMetrics()
         self.health = health or HealthPolicy()
         self.budget = budget or Budget()
+        # The gateway's replicas that share the per-worker budget (fleet state counts them:
+        # fleet/tenants.py); without fleet state this replica takes it all.
+        self.replicas: Callable[[], int] = _alone
         self.membership = Membership(urls, group)
         self.checks = Health(self.membership, client, self.health, metrics)
         self.loads = LoadReader(self.membership, client, load_interval_s)
@@ -211,16 +214,25 @@ class WorkerRegistry:
     # -- the budget ------------------------------------------------------------------------
     def probe_period(self, workers: int) -> float:
         """Seconds between two probes of each worker: a GET of /health, and of /v1/models
-        every MODELS_EVERY_S; half the fleet's budget at most."""
+        every MODELS_EVERY_S; half of this replica's share of each worker's budget, and half
+        the fleet's, at most."""
         gets = 1.0 + self.health.interval_s / MODELS_EVERY_S
+        per_worker = self._per_worker()
         fleet = None if self.budget.fleet is None else self.budget.fleet / 2
-        return Budget(fleet=fleet).period(self.health.interval_s, workers, gets)
+        per_worker = None if per_worker is None else per_worker / 2
+        return Budget(per_worker, fleet).period(self.health.interval_s, workers, gets)
+
+    def _per_worker(self) -> float | None:
+        """This replica's share of the GETs each worker answers the whole deployment."""
+        per_worker = self.budget.per_worker
+        return None if per_worker is None else per_worker / max(1, self.replicas())
 
     def read_period(self, workers: int) -> float:
-        """Seconds between two load reads of each worker: what the budget leaves after the
-        probes; the readings stay fresh for routing over two such periods (views.py)."""
+        """Seconds between two load reads of each worker: what this replica's share of the
+        budget leaves after the probes; the readings stay fresh for routing over two such
+        periods (views.py)."""
         budget = self.budget
-        per_worker = budget.per_worker
+        per_worker = self._per_worker()
         if per_worker is not None:
             probes = (1.0 + self.health.interval_s / MODELS_EVERY_S) / self.probe_period(workers)
             per_worker = max(per_worker / 4, per_worker - probes)
@@ -279,3 +291,7 @@ class WorkerRegistry:
         for sweep in self._sweeps:
             await sweep.stop()
         self._sweeps = []
+
+
+def _alone() -> int:
+    return 1
