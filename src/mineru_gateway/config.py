@@ -189,8 +189,9 @@ class GatewaySettings(BaseSettings):
         "load_interval_s is stretched to fit. One process of each replica reads and probes for "
         "all; with fleet_state on, the replicas it counts share the budget, else each replica "
         "takes all of it. The default is what one replica needs to read a small fleet every "
-        "load_interval_s (0.2 s) and probe it every health_interval_s (2 s); with many workers max_fleet_gets_per_s bounds each worker's share far "
-        "below it (docs/operate/fleet-scale.md).",
+        "load_interval_s (0.2 s) and probe it every health_interval_s (2 s); with many "
+        "workers max_fleet_gets_per_s bounds each worker's share far below it "
+        "(docs/operate/fleet-scale.md).",
     )
     max_fleet_gets_per_s: float = Field(
         200.0,

@@ -75,6 +75,21 @@ async def test_one_request_at_a_time_stays_on_a_worker_it_holds_a_connection_to(
     grant.release()
 
 
+async def test_requests_sixteen_at_a_time_reuse_the_workers_they_left_idle() -> None:
+    """More requests at once than a decision draws: each still goes to a worker whose last
+    request here just ended (an idle kept-alive connection), not to a random cold one."""
+    dispatcher = big_fleet(1024)
+    window = [await dispatcher.acquire(ask()) for _ in range(16)]
+    used = {grant.lease.worker.url for grant in window}
+    for _ in range(500):
+        window.pop(0).release()
+        window.append(await dispatcher.acquire(ask()))
+        used.add(window[-1].lease.worker.url)
+    assert len(used) <= 20
+    for grant in window:
+        grant.release()
+
+
 async def test_a_warm_worker_with_more_load_is_not_preferred() -> None:
     dispatcher = big_fleet(16)
     registry = dispatcher.registry

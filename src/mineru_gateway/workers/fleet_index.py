@@ -15,11 +15,12 @@ reading that ages out) shows at the worker's next reading, or, when no roomy wor
 by looking at the full workers again: at once when a sibling's count fell since the last look
 (`releases`), else at most every `rescan_s`.
 
-Connections: a worker this process chose lately, whose last request here ended less than a
-keep-alive ago, still has a connection open from this process. Up to `WARM_DRAWN` such workers
-join each draw (if they have room), marked `warm`, and the policy takes one of them among
-equally loaded workers: in a large fleet a random pick would otherwise mostly land on a worker
-whose connection has lapsed and open a new one first (docs/operate/fleet-scale.md).
+Connections: a worker with no request of this process on it, whose last request here ended
+less than a keep-alive ago, holds an idle connection from this process. The index keeps those
+workers in the order their last request ended; the latest `WARM_DRAWN` of them with room join
+each draw, and the policy takes a warm worker among equally loaded ones: in a large fleet a
+random pick would otherwise mostly land on a worker whose connection has lapsed and open a new
+one first (docs/operate/fleet-scale.md).
 """
 
 from __future__ import annotations
@@ -133,17 +134,9 @@ class FleetIndex:
         self._placed: dict[str, tuple[Worker, frozenset[str]]] = {}
         self._pools: dict[str | None, _Pool] = {None: _Pool()}
         self._rescanned = -float("inf")
-        self._recent: dict[str, Worker] = {}  # chosen lately, the latest last
+        # Workers with an idle kept-alive connection from this process, the latest last.
+        self._idle_warm: dict[str, Worker] = {}
         membership.watch(self.mark)
-
-    def chose(self, worker: Worker) -> None:
-        """A decision took `worker`: it has a connection from this process until its keep-alive
-        lapses (module docstring)."""
-        recent = self._recent
-        recent.pop(worker.url, None)
-        recent[worker.url] = worker
-        if len(recent) > self.sample:
-            del recent[next(iter(recent))]
 
     def mark(self, worker: Worker) -> None:
         """Something about `worker` changed: it is placed again before the next decision."""
@@ -222,6 +215,9 @@ class FleetIndex:
 
     def _place(self, url: str, worker: Worker, room: RoomCheck, now: float) -> WorkerView | None:
         """Puts the worker in the bags its view says; its view, or None if it left."""
+        self._idle_warm.pop(url, None)
+        if worker.in_flight == 0 and now - worker.released_at < WARM_S:
+            self._idle_warm[url] = worker  # its request just ended (module docstring)
         placed = self._placed.pop(url, None)
         if placed is not None:
             for model in (None, *placed[1]):
@@ -267,12 +263,18 @@ class FleetIndex:
     def _warm(
         self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
     ) -> list[WorkerView]:
-        """Views of up to WARM_DRAWN workers chosen lately whose connection from this process is
-        still kept alive (`WorkerView.warm`) and that have room; the latest first."""
+        """Views of up to WARM_DRAWN workers with an idle kept-alive connection from this
+        process (`WorkerView.warm`) and room; the latest released first."""
+        idle_warm = self._idle_warm
+        while idle_warm:  # the oldest first: those whose keep-alive has lapsed go
+            oldest = next(iter(idle_warm.values()))
+            if now - oldest.released_at < WARM_S:
+                break
+            del idle_warm[oldest.url]
         views: list[WorkerView] = []
         roomy = pool.roomy.where
-        for url, worker in reversed(self._recent.items()):
-            if now - worker.released_at > WARM_S or url in skip or url not in roomy:
+        for url, worker in reversed(idle_warm.items()):
+            if url in skip or url not in roomy or worker.in_flight:
                 continue
             view = self._build(worker, now)
             if room.has_room(view):

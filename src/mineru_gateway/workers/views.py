@@ -116,7 +116,6 @@ class RoutingViews:
     def choose_among(self, candidates: list[WorkerView]) -> Worker:
         """The routing policy's pick of `candidates` (non-empty views from `offer`)."""
         chosen = self._membership.by_url[self.policy.choose(candidates, self._rng).name]
-        self.index.chose(chosen)
         self._metrics.routing_decisions.inc(self.policy.name, chosen.url)
         return chosen
 
