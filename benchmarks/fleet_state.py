@@ -27,61 +27,15 @@ from typing import Any
 import httpx
 import uvicorn
 
-from mineru_gateway.testing import free_port, wait_http_ok, wait_until
+from mineru_gateway.testing import CountingWorker, free_port, wait_http_ok, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "counting-model"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-ANSWER = json.dumps(
-    {
-        "id": "chatcmpl-counted",
-        "object": "chat.completion",
-        "model": MODEL,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    }
-).encode()
-
-
-class CountingUpstream:
-    """A raw ASGI worker: /health, /v1/models, and completions held `hold_s` and counted."""
-
-    def __init__(self, hold_s: float, limit: int) -> None:
-        self.hold_s = hold_s
-        self.limit = limit
-        self.now = self.peak = self.served = self.over = 0
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        path = scope["path"]
-        if path == "/v1/models":
-            card = {"id": MODEL, "object": "model", "owned_by": "vllm", "root": MODEL}
-            await _answer(send, json.dumps({"object": "list", "data": [card]}).encode())
-        elif path == "/v1/chat/completions":
-            while (await receive()).get("more_body"):
-                pass
-            self.over += self.now >= self.limit
-            self.now += 1
-            self.peak = max(self.peak, self.now)
-            try:
-                await asyncio.sleep(self.hold_s)
-            finally:
-                self.now -= 1
-            self.served += 1
-            await _answer(send, ANSWER)
-        else:
-            await _answer(send, b"", 200 if path == "/health" else 404)
-
-
-async def _answer(send: Any, body: bytes, status: int = 200) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 @contextmanager
-def upstream(app: CountingUpstream) -> Iterator[str]:
+def upstream(app: CountingWorker) -> Iterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -151,7 +105,7 @@ async def load(urls: list[str], clients: int, seconds: float) -> dict[int, int]:
 
 
 def run(args: argparse.Namespace, fleet_state: str, directory: Path) -> dict[str, Any]:
-    app = CountingUpstream(args.hold_ms / 1000, args.limit)
+    app = CountingWorker(args.hold_ms / 1000, args.limit, MODEL)
     with ExitStack() as stack:
         worker = stack.enter_context(upstream(app))
         urls = []

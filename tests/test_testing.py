@@ -1,10 +1,12 @@
-"""The shared test helpers of mineru_gateway.testing: waiting on conditions and URLs, free ports.
+"""The shared test helpers of mineru_gateway.testing: waiting on conditions and URLs, free ports,
+the counting worker.
 
 The real-vLLM harness in the same module has tests/test_real_vllm_harness.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,9 +17,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from mineru_gateway.testing import (
+    CountingWorker,
     free_port_block,
     http_get,
     process_tree,
@@ -124,3 +128,21 @@ def test_a_process_tree_holds_the_children_and_their_cpu() -> None:
         child.kill()
         child.wait()
     assert child.pid not in process_tree(os.getpid())
+
+
+async def test_the_counting_worker_counts_what_it_holds_and_what_came_over_its_limit() -> None:
+    worker = CountingWorker(hold_s=1.0, limit=2)
+    with serve(worker) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            models = (await client.get("/v1/models")).json()
+            assert [card["id"] for card in models["data"]] == ["counting-model"]
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/nowhere")).status_code == 404
+            body = {"model": "counting-model", "messages": [{"role": "user", "content": "hi"}]}
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(3))
+            )
+    assert [a.json()["choices"][0]["message"]["content"] for a in answers] == ["ok"] * 3
+    assert (worker.peak, worker.over, worker.served, worker.now) == (3, 1, 3, 0)
+    worker.reset_peak()
+    assert worker.peak == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 NOTES = """\
@@ -53,126 +54,143 @@ def markdown(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _table(title: str, columns: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A section: its heading, then a table of `rows` under `columns`."""
+    lines = [f"## {title}", "", _row(columns), "|" + "---|" * len(columns)]
+    return [*lines, *(_row(row) for row in rows), ""]
+
+
+def _row(cells: Sequence[object]) -> str:
+    return "|" + "|".join(f" {cell} " if cell != "" else " " for cell in cells) + "|"
+
+
 def _small(small: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Small requests: the cost of coalescing and of a store that misses (same run)",
-        "",
-        "| gateway | requests | CPU us per request | CPU against cache_off | p50 ms | p99 ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, c in small.items():
-        lines.append(
-            f"| {name} | {c['requests']} | {c['cpu_us_per_request']} | {c['cpu_ratio_to_off']} |"
-            f" {c['latency']['p50_ms']} | {c['latency']['p99_ms']} |"
-        )
-    return [*lines, ""]
+    return _table(
+        "Small requests: the cost of coalescing and of a store that misses (same run)",
+        ("gateway", "requests", "CPU us per request", "CPU against cache_off", "p50 ms", "p99 ms"),
+        (
+            (
+                name,
+                c["requests"],
+                c["cpu_us_per_request"],
+                c["cpu_ratio_to_off"],
+                c["latency"]["p50_ms"],
+                c["latency"]["p99_ms"],
+            )
+            for name, c in small.items()
+        ),
+    )
 
 
 def _hits(hits: dict[str, Any]) -> list[str]:
-    lines = [
-        f"## A hit's latency, {hits['request_bytes']:,}-byte page request",
-        "",
-        "| answered by | samples | p50 ms | p99 ms | gateway CPU ms per request |",
-        "|---|---|---|---|---|",
+    rows: list[Sequence[object]] = [
+        (f"{name} hit", h["samples"], h["p50_ms"], h["p99_ms"], h["gateway_cpu_ms"])
+        for name, h in ((name, hits[name]) for name in ("memory", "redis"))
     ]
-    for name in ("memory", "redis"):
-        h = hits[name]
-        lines.append(
-            f"| {name} hit | {h['samples']} | {h['p50_ms']} | {h['p99_ms']} |"
-            f" {h['gateway_cpu_ms']} |"
-        )
     w = hits["worker_answer"]
-    lines.append(f"| worker (300 tokens) | {w['samples']} | {w['p50_ms']} | {w['p99_ms']} | |")
+    rows.append(("worker (300 tokens)", w["samples"], w["p50_ms"], w["p99_ms"], ""))
     parts = ", ".join(f"{name} {ms} ms" for name, ms in hits["in_process_ms"].items())
-    return [*lines, "", f"In process, on the same body (best of 30): {parts}.", ""]
+    return [
+        *_table(
+            f"A hit's latency, {hits['request_bytes']:,}-byte page request",
+            ("answered by", "samples", "p50 ms", "p99 ms", "gateway CPU ms per request"),
+            rows,
+        ),
+        f"In process, on the same body (best of 30): {parts}.",
+        "",
+    ]
 
 
 def _passes(passes: dict[str, Any]) -> list[str]:
-    lines = [
-        "## A batch of pages sent twice",
-        "",
-        "| store | pass | worker requests | hits | wall s | gateway CPU s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for store, result in passes.items():
-        for name in ("first", "second"):
-            p = result[name]
-            lines.append(
-                f"| {store} | {name} | {p['worker_requests']} | {p['hits']} | {p['wall_s']} |"
-                f" {p['gateway_cpu_s']} |"
-            )
-    return [*lines, ""]
+    return _table(
+        "A batch of pages sent twice",
+        ("store", "pass", "worker requests", "hits", "wall s", "gateway CPU s"),
+        (
+            (store, name, p["worker_requests"], p["hits"], p["wall_s"], p["gateway_cpu_s"])
+            for store, result in passes.items()
+            for name, p in ((name, result[name]) for name in ("first", "second"))
+        ),
+    )
 
 
 def _duplicates(duplicates: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Duplicates: coalescing alone (the defaults), and with the memory cache",
-        "",
-        "| gateway | batch | requests sent | distinct | worker requests | coalesced |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name, d in duplicates.items():
         mixed, burst = d["twenty_percent_duplicates"], d["hundred_identical"]
-        lines += [
-            f"| {name} | 20% duplicates | {mixed['sent']} | {mixed['distinct']} | "
-            f"{mixed['worker_requests']} | {mixed['coalesced']} |",
-            f"| {name} | 100 identical at once | {burst['sent']} | 1 | "
-            f"{burst['worker_requests']} | {burst['coalesced']} |",
+        mixed_counts = (mixed["sent"], mixed["distinct"], mixed["worker_requests"])
+        burst_counts = (burst["sent"], 1, burst["worker_requests"])
+        rows += [
+            (name, "20% duplicates", *mixed_counts, mixed["coalesced"]),
+            (name, "100 identical at once", *burst_counts, burst["coalesced"]),
         ]
-    return [*lines, ""]
+    return _table(
+        "Duplicates: coalescing alone (the defaults), and with the memory cache",
+        ("gateway", "batch", "requests sent", "distinct", "worker requests", "coalesced"),
+        rows,
+    )
 
 
 def _shared(shared: dict[str, Any]) -> list[str]:
     replicas = shared["two_replicas_redis"]
-    lines = [
-        "## One Redis behind several gateways",
-        "",
-        "| setup | pages | first pass: worker requests | second pass: worker requests | hits |",
-        "|---|---|---|---|---|",
-        f"| two replicas, computed through one, asked through the other | {replicas['pages']} |"
-        f" {replicas['first_through_one']['worker_requests']} |"
-        f" {replicas['then_through_two']['worker_requests']} |"
-        f" {replicas['then_through_two']['hits']} |",
+    rows: list[Sequence[object]] = [
+        (
+            "two replicas, computed through one, asked through the other",
+            replicas["pages"],
+            replicas["first_through_one"]["worker_requests"],
+            replicas["then_through_two"]["worker_requests"],
+            replicas["then_through_two"]["hits"],
+        )
     ]
     for name, label in (
         ("processes_2_redis", "`serve --processes 2`, Redis, a new connection per request"),
         ("processes_2_memory", "`serve --processes 2`, memory cache (each process its own)"),
     ):
         s = shared[name]
-        lines.append(
-            f"| {label} | {s['pages']} | {s['first']['worker_requests']} |"
-            f" {s['second']['worker_requests']} | {s['second']['hits']} |"
+        rows.append(
+            (
+                label,
+                s["pages"],
+                s["first"]["worker_requests"],
+                s["second"]["worker_requests"],
+                s["second"]["hits"],
+            )
         )
-    return [*lines, ""]
+    return _table(
+        "One Redis behind several gateways",
+        ("setup", "pages", "first pass: worker requests", "second pass: worker requests", "hits"),
+        rows,
+    )
 
 
 def _memory(memory: dict[str, Any]) -> list[str]:
+    columns = {
+        "distinct answers": "distinct_answers",
+        "stored MiB": "stored_mib",
+        "bound MiB": "cache_max_mib",
+        "held at end MiB": "held_mib_at_end",
+        "evictions": "evictions",
+        "RSS before MiB": "rss_mib_before",
+        "peak RSS MiB": "rss_mib_peak",
+        "overhead MiB": "overhead_mib",
+    }
     return [
-        "## The memory cache stays within its bound",
-        "",
-        "| distinct answers | stored MiB | bound MiB | held at end MiB | evictions |"
-        " RSS before MiB | peak RSS MiB | overhead MiB |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| {memory['distinct_answers']} | {memory['stored_mib']} | {memory['cache_max_mib']} |"
-        f" {memory['held_mib_at_end']} | {memory['evictions']} | {memory['rss_mib_before']} |"
-        f" {memory['rss_mib_peak']} | {memory['overhead_mib']} |",
-        "",
+        *_table(
+            "The memory cache stays within its bound",
+            tuple(columns),
+            [tuple(memory[key] for key in columns.values())],
+        ),
         f"RSS every tenth of the way (MiB): {memory['rss_mib_samples']}.",
         "",
     ]
 
 
 def _mineru(mineru: dict[str, Any]) -> list[str]:
-    lines = [
-        f"## MinerU's own client ({mineru['client']}), the same {mineru['pages']} pages twice,"
+    return _table(
+        f"MinerU's own client ({mineru['client']}), the same {mineru['pages']} pages twice,"
         f" memory cache (simulated workers at time scale {mineru['sim_time_scale']})",
-        "",
-        "| pass | pages completed | worker requests | wall s | client CPU s |",
-        "|---|---|---|---|---|",
-    ]
-    for number, p in enumerate(mineru["passes"], 1):
-        lines.append(
-            f"| {number} | {p['pages_completed']} | {p['worker_requests']} | {p['wall_s']} |"
-            f" {p['client_cpu_s']} |"
-        )
-    return [*lines, ""]
+        ("pass", "pages completed", "worker requests", "wall s", "client CPU s"),
+        (
+            (number, p["pages_completed"], p["worker_requests"], p["wall_s"], p["client_cpu_s"])
+            for number, p in enumerate(mineru["passes"], 1)
+        ),
+    )

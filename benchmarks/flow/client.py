@@ -21,7 +21,7 @@ import itertools
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -121,41 +121,29 @@ async def stream_once(
         call.error = type(error).__name__
 
 
+@dataclass(eq=False)
 class _TenantClient:
     """What both clients share: one tenant's key, requests, seeded randomness and calls."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        url: str,
-        key: str | None,
-        tenant: str,
-        requests: Sequence[Request],
-        seed: int,
-    ) -> None:
-        self.session, self.url, self.tenant = session, url, tenant
-        self.headers = auth(key)
-        self.requests = requests
-        self.rng = random.Random(seed)
-        self.calls: list[Call] = []
+    session: aiohttp.ClientSession
+    url: str
+    key: str | None
+    tenant: str
+    requests: Sequence[Request]
+    seed: int
+    calls: list[Call] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.headers = auth(self.key)
+        self.rng = random.Random(self.seed)
 
 
+@dataclass(eq=False)
 class Interactive(_TenantClient):
     """Open-loop streamed requests of one tenant at a Poisson `rate` (wall requests/s)."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        url: str,
-        key: str | None,
-        tenant: str,
-        requests: Sequence[Request],
-        rate: float,
-        seed: int,
-    ) -> None:
-        super().__init__(session, url, key, tenant, requests, seed)
-        self.rate = rate
-        self._tasks: set[asyncio.Task[None]] = set()
+    rate: float = field(kw_only=True)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     async def run(self, until: float, settle_s: float) -> list[Call]:
         """Sends until `until` (perf_counter), then waits up to `settle_s` for open requests
@@ -183,25 +171,15 @@ class Interactive(_TenantClient):
         return self.calls
 
 
+@dataclass(eq=False)
 class MineruBatch(_TenantClient):
     """A closed loop of `concurrency` MinerU client slots for one tenant (see module doc)."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        url: str,
-        key: str | None,
-        tenant: str,
-        requests: Sequence[Request],
-        concurrency: int,
-        seed: int,
-    ) -> None:
-        super().__init__(session, url, key, tenant, requests, seed)
-        self.concurrency = concurrency
-        self.retry_afters: list[float] = []  # every Retry-After answered, seconds
-        self._next = itertools.count()
-        self.started = 0.0
-        self.stopped_sending = 0.0
+    concurrency: int = field(kw_only=True)
+    retry_afters: list[float] = field(default_factory=list, init=False)  # every one answered, s
+    _next: Iterator[int] = field(default_factory=itertools.count, init=False)
+    started: float = field(default=0.0, init=False)
+    stopped_sending: float = field(default=0.0, init=False)
 
     async def run(self, stop_sending: float, give_up: float, drain: bool = True) -> list[Call]:
         """Slots start requests until `stop_sending` (perf_counter). With `drain`, requests under

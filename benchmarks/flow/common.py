@@ -148,7 +148,7 @@ async def saturate(
     calls."""
     window_start = time.perf_counter() + clock.wall(warmup_s)
     stop = window_start + clock.wall(window_s)
-    batch = MineruBatch(session, url, None, "default", requests, concurrency, seed)
+    batch = MineruBatch(session, url, None, "default", requests, seed, concurrency=concurrency)
     calls = await batch.run(stop, stop, drain=False)
     done, tokens = completed_in(calls, window_start, stop)
     figures = {

@@ -85,12 +85,8 @@ async def run(plan: FloodPlan, gateway_extra: list[str], procs: fleet.Processes)
         *("--tenant-max-queued", str(plan.tenant_max_queued)),
         *gateway_extra,
     ]
-    sims = fleet.SimWorkers(procs, plan.time_scale, [1.0] * plan.workers)
-    sims.start()
-    try:
+    with stand.sim_workers(procs, plan.time_scale, plan.workers) as sims:
         return await run_on(plan, Workers.simulators(sims), procs, a_requests, b_requests, extra)
-    finally:
-        sims.stop()
 
 
 async def run_on(
@@ -139,7 +135,13 @@ async def capacity(
             window_start = start + clock.wall(plan.capacity_warmup_s)
             stop = window_start + clock.wall(plan.capacity_window_s)
             batch = MineruBatch(
-                session, gateway.url, KEY_A, "A", a_requests, plan.concurrency, plan.seed
+                session,
+                gateway.url,
+                KEY_A,
+                "A",
+                a_requests,
+                plan.seed,
+                concurrency=plan.concurrency,
             )
             calls = await batch.run(stop, stop, drain=False)
             cpu = meter.stop()
@@ -187,8 +189,8 @@ async def one_mode(
                 KEY_B,
                 "B",
                 b_requests,
-                plan.b_rate / plan.time_scale,
                 plan.seed + 7,
+                rate=plan.b_rate / plan.time_scale,
             )
             b_task = asyncio.create_task(b.run(until=a_stop, settle_s=max(120.0, clock.wall(60))))
             meter = stand.CpuMeter(parts)
@@ -197,7 +199,13 @@ async def one_mode(
             cpu_alone = meter.stop()
             meter.start()
             batch = MineruBatch(
-                a_session, gateway.url, KEY_A, "A", a_requests, plan.concurrency, plan.seed + 3
+                a_session,
+                gateway.url,
+                KEY_A,
+                "A",
+                a_requests,
+                plan.seed + 3,
+                concurrency=plan.concurrency,
             )
             a_calls = await batch.run(a_stop, a_stop + plan.give_up_s)
             cpu_batch = meter.stop()

@@ -107,7 +107,7 @@ def _sweep(plt: Any, document: dict[str, Any]) -> None:
 def write_summary(results: Path) -> str:
     """Writes `results/flow.md` from every `flow_*.json` there; returns the Markdown."""
     parts = [
-        "# Flow control benchmark (issue 13)",
+        "# Flow control benchmark",
         "",
         "`python -m benchmarks.flow` (package `benchmarks/flow/`): each scenario runs the gateway "
         "with `--flow-control false` (pass-through, the baseline) and `--flow-control true` on "

@@ -19,8 +19,7 @@ from functools import partial
 from typing import Any
 
 import aiohttp
-from benchmarks.routing import fleet, loadgen, workload
-from benchmarks.routing.runs import MACHINE_BUSY_LIMIT, least_disturbed
+from benchmarks.routing import fleet, workload
 
 from . import stand
 from .client import new_session
@@ -43,14 +42,6 @@ class SinglePlan:
     seed: int = 3
 
 
-async def guarded(attempt: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """A run, repeated (at most twice) when other processes took over half a core or the machine
-    was nearly saturated (`runs.least_disturbed`): this machine is shared."""
-    best, attempts = await least_disturbed(attempt, lambda r: r["cpu"], MACHINE_BUSY_LIMIT)
-    best["attempts"] = attempts
-    return best
-
-
 def order(repeats: int) -> list[str]:
     """pass-through first; ABBA for two repeats, alternating beyond."""
     out: list[str] = []
@@ -63,58 +54,38 @@ def order(repeats: int) -> list[str]:
 async def run(plan: SinglePlan, gateway_extra: list[str], procs: fleet.Processes) -> dict[str, Any]:
     clock = Clock(plan.time_scale)
     mix = workload.Mix(model=fleet.MODEL)
-    workers = fleet.SimWorkers(procs, plan.time_scale, [1.0] * plan.workers)
-    workers.start()
     document: dict[str, Any] = {"plan": asdict(plan), "gateway_args": gateway_extra, "runs": []}
     requests = batch_requests(plan.seed + 40, 4000)
-    try:
+    with stand.sim_workers(procs, plan.time_scale, plan.workers) as workers:
         async with new_session() as session:
-            for mode in order(plan.repeats):
-                result = await guarded(
-                    partial(
-                        saturation,
-                        plan,
-                        clock,
-                        procs,
-                        workers,
-                        session,
-                        mode,
-                        requests,
-                        gateway_extra,
-                    )
-                )
-                result |= {"kind": "saturation", "mode": mode}
-                document["runs"].append(result)
-                print(format_run(result), flush=True)
+            on_stand = (plan, clock, procs, workers, session)
+            measure = partial(saturation, *on_stand, requests=requests, extra=gateway_extra)
+            await each_mode(document, plan.repeats, "saturation", measure)
             capacity = _mean(
                 r["requests_per_s"]
                 for r in document["runs"]
                 if r["kind"] == "saturation" and r["mode"] == "pass_through"
             )
             document["capacity_requests_per_s"] = capacity
-            for mode in order(plan.repeats):
-                result = await guarded(
-                    partial(
-                        latency,
-                        plan,
-                        clock,
-                        procs,
-                        workers,
-                        session,
-                        mode,
-                        mix,
-                        capacity,
-                        gateway_extra,
-                    )
-                )
-                result |= {"kind": "latency", "mode": mode}
-                document["runs"].append(result)
-                print(format_run(result), flush=True)
-    finally:
-        workers.stop()
+            measure = partial(latency, *on_stand, mix=mix, capacity=capacity, extra=gateway_extra)
+            await each_mode(document, plan.repeats, "latency", measure)
     document["figures"] = figures(document)
     document["checks"] = checks(document)
     return document
+
+
+async def each_mode(
+    document: dict[str, Any],
+    repeats: int,
+    kind: str,
+    measure: Callable[[str], Awaitable[dict[str, Any]]],
+) -> None:
+    """`measure` of each mode in `order`, repeated if the machine was disturbed, into the runs."""
+    for mode in order(repeats):
+        result = await stand.guarded(partial(measure, mode))
+        result |= {"kind": kind, "mode": mode}
+        document["runs"].append(result)
+        print(format_run(result), flush=True)
 
 
 async def saturation(
@@ -166,36 +137,27 @@ async def latency(
     extra: list[str],
 ) -> dict[str, Any]:
     rate = plan.load * capacity / plan.time_scale
-    phases = loadgen.Phases(
-        warmup_s=clock.wall(plan.warmup_s),
-        window_s=clock.wall(plan.window_s),
-        tail_cap_s=clock.wall(plan.tail_cap_s),
-        wait_for="first_token",
-    )
+    phases = stand.first_token_phases(clock, plan.warmup_s, plan.window_s, plan.tail_cap_s)
     arrivals = workload.arrivals(mix, plan.seed * 1000 + 7, rate, phases.total + 1)
     gateway = await stand.start_gateway(procs, workers.urls, mode, extra)
     try:
-        parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids}
-        foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
-        meter = stand.CpuMeter(parts)
-        before = await stand.gateway_metrics(session, gateway.url)
-        meter.start()
-        outcome = await loadgen.run_open_loop(session, gateway.url, arrivals, phases)
-        cpu = meter.stop()
+        load = await stand.open_loop(
+            session, gateway, workers.pids, arrivals, phases, plan.quiet_wait_s
+        )
         after = await stand.gateway_metrics(session, gateway.url)
         await fleet.wait_idle(session, workers.urls)
     finally:
         gateway.stop()
-    measured = [r for r in outcome.records if r.measured]
+    measured = [r for r in load.outcome.records if r.measured]
     ttfts = [None if r.first_token is None or r.error else r.first_token - r.sent for r in measured]
-    queued = stand.metrics_delta(before, after)
+    queued = stand.metrics_delta(load.metrics_before, after)
     return {
         "offered_requests_per_s": round(rate * plan.time_scale, 2),
         "ttft_ms": latency_summary(ttfts, clock),
         "errors": sum(r.error is not None for r in measured),
-        "goodput_requests_per_s": round(clock.rate(outcome.window_done, phases.window_s), 2),
-        "cpu": cpu,
-        "foreign_cores_before": foreign,
+        "goodput_requests_per_s": round(clock.rate(load.outcome.window_done, phases.window_s), 2),
+        "cpu": load.cpu,
+        "foreign_cores_before": load.foreign_cores_before,
         "queue_wait": {
             "count": queued["mineru_gateway_queue_wait_seconds_count"],
             "sum_s": queued["mineru_gateway_queue_wait_seconds_sum"],

@@ -7,16 +7,24 @@ import asyncio
 import hashlib
 import resource
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from benchmarks.routing import fleet
-from benchmarks.routing.runs import FOREIGN_CPU_LIMIT, cpu_share
+from benchmarks.routing import fleet, loadgen, workload
+from benchmarks.routing.runs import (
+    FOREIGN_CPU_LIMIT,
+    MACHINE_BUSY_LIMIT,
+    cpu_share,
+    least_disturbed,
+)
 
 from mineru_gateway.testing import process_tree
+
+from .common import Clock
 
 MODES = ("pass_through", "flow_control")  # the baseline first
 
@@ -74,6 +82,71 @@ async def start_gateway(
         router.stop()
         raise
     return Gateway(mode, router, args)
+
+
+@contextmanager
+def sim_workers(
+    procs: fleet.Processes, time_scale: float, count: int
+) -> Iterator[fleet.SimWorkers]:
+    """`count` identical simulated workers, stopped on the way out."""
+    workers = fleet.SimWorkers(procs, time_scale, [1.0] * count)
+    workers.start()
+    try:
+        yield workers
+    finally:
+        workers.stop()
+
+
+async def guarded(attempt: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """`attempt`, run again (at most twice) when other processes took over half a core or the
+    machine was nearly saturated (`runs.least_disturbed`): this machine is shared."""
+    best, attempts = await least_disturbed(attempt, lambda r: r["cpu"], MACHINE_BUSY_LIMIT)
+    best["attempts"] = attempts
+    return best
+
+
+def first_token_phases(
+    clock: Clock, warmup_s: float, window_s: float, tail_cap_s: float
+) -> loadgen.Phases:
+    """Open-loop phases in wall time from engine seconds; the tail waits for first tokens."""
+    return loadgen.Phases(
+        warmup_s=clock.wall(warmup_s),
+        window_s=clock.wall(window_s),
+        tail_cap_s=clock.wall(tail_cap_s),
+        wait_for="first_token",
+    )
+
+
+@dataclass
+class OpenLoop:
+    """One open-loop load through a gateway, and what was read around it."""
+
+    outcome: loadgen.RunOutcome
+    cut: float  # perf_counter when the load ended and everything still open was cancelled
+    cpu: dict[str, float]
+    foreign_cores_before: float
+    metrics_before: dict[str, Any]
+
+
+async def open_loop(
+    session: aiohttp.ClientSession,
+    gateway: Gateway,
+    worker_pids: Sequence[int],
+    arrivals: Sequence[workload.Arrival],
+    phases: loadgen.Phases,
+    quiet_wait_s: float,
+) -> OpenLoop:
+    """Waits for a quiet machine, then sends `arrivals` through `gateway`, metering the CPU of
+    the gateway and the workers."""
+    parts = {"gateway": process_tree(gateway.pid), "workers": worker_pids}
+    foreign = await wait_quiet(parts, quiet_wait_s)
+    meter = CpuMeter(parts)
+    before = await gateway_metrics(session, gateway.url)
+    meter.start()
+    outcome = await loadgen.run_open_loop(session, gateway.url, arrivals, phases)
+    cut = time.perf_counter()
+    cpu = meter.stop()
+    return OpenLoop(outcome, cut, cpu, foreign, before)
 
 
 def peak_rss_mb(pid: int) -> float | None:

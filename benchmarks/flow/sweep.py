@@ -15,13 +15,12 @@ lower bound), and the share rejected.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
-from benchmarks.routing import fleet, loadgen, workload
-from benchmarks.routing.runs import MACHINE_BUSY_LIMIT, least_disturbed
+from benchmarks.routing import fleet, workload
 
 from . import stand
 from .client import new_session
@@ -50,15 +49,13 @@ async def run(plan: SweepPlan, gateway_extra: list[str], procs: fleet.Processes)
     clock = Clock(plan.time_scale)
     extra = ["--tenant-max-queued", str(plan.tenant_max_queued), *gateway_extra]
     mix = workload.Mix(model=fleet.MODEL)
-    workers = fleet.SimWorkers(procs, plan.time_scale, [1.0] * plan.workers)
-    workers.start()
     document: dict[str, Any] = {
         "plan": asdict(plan),
         "gateway_args": extra,
         "mix_per_page": workload.describe(mix),
         "runs": [],
     }
-    try:
+    with stand.sim_workers(procs, plan.time_scale, plan.workers) as workers:
         async with new_session() as session:
             cap = await capacity(plan, clock, procs, workers, session, extra)
             document["capacity"] = cap
@@ -67,15 +64,14 @@ async def run(plan: SweepPlan, gateway_extra: list[str], procs: fleet.Processes)
                 gateway = await stand.start_gateway(procs, workers.urls, mode, extra)
                 try:
                     for fraction in plan.fractions:
-                        result = await guarded_load(
-                            plan, clock, session, gateway, workers, mix, fraction, cap
+                        load = partial(
+                            one_load, plan, clock, session, gateway, workers, mix, fraction, cap
                         )
+                        result = await stand.guarded(load)
                         document["runs"].append(result)
                         print(format_run(result), flush=True)
                 finally:
                     gateway.stop()
-    finally:
-        workers.stop()
     document["figures"] = figures(document)
     document["checks"] = checks(document)
     return document
@@ -109,27 +105,6 @@ async def capacity(
     return figures
 
 
-async def guarded_load(
-    plan: SweepPlan,
-    clock: Clock,
-    session: aiohttp.ClientSession,
-    gateway: stand.Gateway,
-    workers: fleet.SimWorkers,
-    mix: workload.Mix,
-    fraction: float,
-    cap: dict[str, Any],
-) -> dict[str, Any]:
-    """`one_load`, run again (at most twice) when other processes took over half a core or the
-    machine was nearly saturated (`runs.least_disturbed`): this machine is shared."""
-
-    async def attempt() -> dict[str, Any]:
-        return await one_load(plan, clock, session, gateway, workers, mix, fraction, cap)
-
-    best, attempts = await least_disturbed(attempt, lambda r: r["cpu"], MACHINE_BUSY_LIMIT)
-    best["attempts"] = attempts
-    return best
-
-
 async def one_load(
     plan: SweepPlan,
     clock: Clock,
@@ -141,26 +116,17 @@ async def one_load(
     cap: dict[str, Any],
 ) -> dict[str, Any]:
     rate = fraction * cap["requests_per_s"] / plan.time_scale  # wall requests/s
-    phases = loadgen.Phases(
-        warmup_s=clock.wall(plan.warmup_s),
-        window_s=clock.wall(plan.window_s),
-        tail_cap_s=clock.wall(plan.tail_cap_s),
-        wait_for="first_token",
-    )
+    phases = stand.first_token_phases(clock, plan.warmup_s, plan.window_s, plan.tail_cap_s)
     seed = plan.seed * 10_000 + round(fraction * 1000)  # the same requests for both modes
     arrivals = workload.arrivals(mix, seed, rate, phases.total + 1)
-    parts = {"gateway": stand.process_tree(gateway.pid), "workers": workers.pids}
-    foreign = await stand.wait_quiet(parts, plan.quiet_wait_s)
-    meter = stand.CpuMeter(parts)
-    before = await stand.gateway_metrics(session, gateway.url)
-    meter.start()
-    outcome = await loadgen.run_open_loop(session, gateway.url, arrivals, phases)
-    cut = time.perf_counter()
-    cpu = meter.stop()
+    load = await stand.open_loop(
+        session, gateway, workers.pids, arrivals, phases, plan.quiet_wait_s
+    )
+    outcome, cut = load.outcome, load.cut
     await fleet.wait_idle(session, workers.urls)
     await asyncio.sleep(1.0)  # the gateway counts the cancelled requests (499)
     after = await stand.gateway_metrics(session, gateway.url)
-    delta = stand.metrics_delta(before, after)
+    delta = stand.metrics_delta(load.metrics_before, after)
     seen = sum(delta["mineru_gateway_tenant_requests_total"].values())
     measured = [r for r in outcome.records if r.measured]
     rejected = [r for r in measured if r.error == "status 429"]
@@ -190,8 +156,8 @@ async def one_load(
         "tail_s": round(outcome.tail_s / plan.time_scale, 2),
         "capped": outcome.capped,
         "lag_ms_p99": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1000, 2),
-        "cpu": cpu,
-        "foreign_cores_before": foreign,
+        "cpu": load.cpu,
+        "foreign_cores_before": load.foreign_cores_before,
         "sent": len(outcome.records),
         # Requests the gateway accounted for (any status): short of `sent` when the load
         # generator or the gateway's accept path fell behind (a limit of this machine).

@@ -32,22 +32,18 @@ How mineru-vl-utils 2.0.7 behaves (read from its source, seen in the runs):
 """
 
 WHY_NOTES = """\
-Why pages were lost before, and what changed (`DrainRate` in src/mineru_gateway/flow.py; the
-runs before the change: `flow_mineru_client_before.md`, 78 of 100 pages lost at MAX_QUEUED=8,
-all 100 in windows):
+Why no page is lost through a shedding gateway (`DrainRate` in src/mineru_gateway/flow.py,
+docs/flow-control.md):
 
-- Before, `Retry-After` was the time the gateway's own queue takes to drain (queued / dispatch
-  rate): with 8 queued, ~4 s, the same for every refused request. One MinerU client keeps 100
-  requests outstanding, so ~88 came back after about the same wait, 8 fit, the rest got 429
-  again; 4 attempts spanned ~6-10 s when the backlog needed ~40 s. At the onset the dispatch
-  rate was inflated by the burst that filled the empty workers (12 dispatches in a
-  millisecond), so the first waits were 1-2 s.
-- Now each refused request gets its own slot: after the queue ahead has drained, one completion
+- One `Retry-After` for every refused request would lose pages: one MinerU client keeps 100
+  requests outstanding, so those refused together would come back together, a few would fit and
+  the rest be refused again, and 4 attempts end long before the backlog has drained.
+- So each refused request gets its own slot: after the queue ahead has drained, one completion
   interval after the previous refused request (a virtual queue of the refused demand, capped at
   120 s, the most MinerU honours). The pace is completions per second over 10 s (at least a 5 s
-  span), not dispatches, so the onset burst does not count; before the first completions a
-  pace of 1 per second is assumed. Refused requests come back spread over the time the fleet
-  needs for them, and find room.
+  span), not dispatches, so the burst that fills idle workers at the onset does not count;
+  before the first completions a pace of 1 per second is assumed. Refused requests come back
+  spread over the time the fleet needs for them, and find room.
 - What it costs: while refused requests sleep, the queue can run empty and workers idle for a
   moment (the slots are an estimate), so a batch through a small queue takes longer than
   through a large one (wall time in the table). Shedding is for floods; for MinerU clients a
@@ -135,7 +131,7 @@ def markdown(document: dict[str, Any]) -> str:
         "longest wait before a retry (s) | wall s |"
     )
     lines = [
-        "# MinerU's own client through an overloaded gateway (issue 13, measure 4)",
+        "# MinerU's own client through an overloaded gateway",
         "",
         f"Command: `{document['command']}` (commit `{document['git_commit']}`, "
         f"{document['date']}, {document['machine']['cpus']} CPUs).",

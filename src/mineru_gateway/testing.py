@@ -5,6 +5,8 @@
 - Waiting: `wait_until` / `wait_until_async` poll a condition with a deadline (never a bare
   sleep); `wait_http_ok` polls a URL until it answers 200.
 - Real vLLM (the CPU build) in a subprocess: `vllm_paths_from_env`, `start_vllm_server`.
+- A worker that counts the requests it holds at once: `CountingWorker`, an ASGI app for any
+  server (a limit on requests in flight is checked where it matters, at the worker).
 
 Standard library only (no pytest, no httpx): importing this module costs the gateway nothing.
 """
@@ -511,3 +513,76 @@ def start_vllm_server(
             start_new_session=True,
         )
     return VllmServer(proc, f"http://127.0.0.1:{port}", served_name, log_path, tmpdir)
+
+
+# -- a worker that counts -------------------------------------------------------------------------
+
+Message = dict[str, object]
+
+
+class CountingWorker:
+    """An ASGI worker that counts what it holds: how many requests at once, and the most ever.
+
+    Each completion is held `hold_s`, then answered (an OpenAI-shaped chat completion), so a load
+    drains. `peak` is what a limit on requests in flight is checked against; `over` counts the
+    requests that arrived while it already held `limit` or more. Also answers `/health` and
+    `/v1/models` (one model), as a vLLM worker does.
+    """
+
+    def __init__(
+        self, hold_s: float = 0.2, limit: int | None = None, model: str = "counting-model"
+    ) -> None:
+        self.hold_s = hold_s
+        self.limit = limit
+        self.model = model
+        self.now = self.peak = self.served = self.over = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    async def __call__(
+        self,
+        scope: Mapping[str, object],
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/v1/chat/completions":
+            while (await receive()).get("more_body"):
+                pass
+            await self._hold()
+            await _answer(send, json.dumps(self._completion()).encode())
+        elif path == "/v1/models":
+            card = {"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model}
+            await _answer(send, json.dumps({"object": "list", "data": [card]}).encode())
+        else:
+            await _answer(send, b"", 200 if path == "/health" else 404)
+
+    async def _hold(self) -> None:
+        self.over += self.limit is not None and self.now >= self.limit
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.hold_s)
+        finally:
+            self.now -= 1
+        self.served += 1
+
+    def _completion(self) -> dict[str, object]:
+        return {
+            "id": "chatcmpl-counted",
+            "object": "chat.completion",
+            "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+
+async def _answer(
+    send: Callable[[Message], Awaitable[None]], body: bytes, status: int = 200
+) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -16,9 +16,9 @@ import yaml
 from benchmarks.dashboard_snapshot import Prometheus
 from benchmarks.observability_demo import PrometheusServer
 
+from mineru_gateway.testing import CountingWorker
 from tests.conftest import StartGateway
 from tests.deploy.support import ROOT, tool
-from tests.support.counting_worker import Counts, counting_worker
 from tests.support.servers import serve, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -50,8 +50,8 @@ async def send(gateway: str, count: int) -> list[int]:
 async def test_the_backlog_rises_with_a_queue_and_falls_as_it_drains(
     servers: ExitStack, start_gateway: StartGateway
 ) -> None:
-    counts = Counts(hold_s=0.3)
-    worker = servers.enter_context(serve(counting_worker(counts)))
+    counts = CountingWorker(hold_s=0.3)
+    worker = servers.enter_context(serve(counts))
     gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
     assert gauges(gateway, counts.model) == (0.0, 0.0)  # the series exist before any queue
     load = asyncio.create_task(send(gateway, 6 * ROOM))
@@ -96,8 +96,8 @@ def value_of(prometheus: Prometheus, query: str) -> float:
 async def test_prometheus_evaluates_the_autoscalers_queries(
     servers: ExitStack, start_gateway: StartGateway, tmp_path: Path
 ) -> None:
-    counts = Counts(hold_s=1.0)
-    worker = servers.enter_context(serve(counting_worker(counts)))
+    counts = CountingWorker(hold_s=1.0)
+    worker = servers.enter_context(serve(counts))
     gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

@@ -11,8 +11,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from mineru_gateway.testing import CountingWorker
 from tests.conftest import StartGateway
-from tests.support.counting_worker import Counts, counting_worker
 from tests.support.redis_server import RedisServer
 from tests.support.servers import serve, wait_until
 
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
-def worker(servers: ExitStack) -> tuple[Counts, str]:
-    counts = Counts(hold_s=0.15)
-    return counts, servers.enter_context(serve(counting_worker(counts)))
+def worker(servers: ExitStack) -> tuple[CountingWorker, str]:
+    counts = CountingWorker(hold_s=0.15)
+    return counts, servers.enter_context(serve(counts))
 
 
 def replicas(
@@ -64,7 +64,7 @@ def fallback(gateway: str) -> float:
 
 
 async def test_a_tenants_limit_holds_exactly_across_two_replicas(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     counts, url = worker
     gateways = replicas(start_gateway, url, redis_server)
@@ -76,7 +76,7 @@ async def test_a_tenants_limit_holds_exactly_across_two_replicas(
 
 
 async def test_redis_away_each_replica_holds_the_limit_then_shares_it_again(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     counts, url = worker
     gateways = replicas(start_gateway, url, redis_server)
@@ -100,7 +100,7 @@ async def test_redis_away_each_replica_holds_the_limit_then_shares_it_again(
 
 
 async def test_under_sustained_load_every_request_is_served_within_the_limit(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     """Clients sending back to back: requests arrive while others of the tenant queue, some
     when a slot is free. Each is served in its turn (none waits out `max_queue_wait_s`)."""
