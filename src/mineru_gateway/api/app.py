@@ -316,9 +316,8 @@ class GatewayApp:
 
     Every request and every streamed chunk of a completion would otherwise cross FastAPI's
     middleware stack (error, exception, telemetry and body-limit layers, each wrapping `send`).
-    The relay handles its own errors, so it needs none of them; measured in
-    benchmarks/results/gateway_overhead.md. Other methods on the relay's paths still reach
-    FastAPI, which answers 405.
+    The relay handles its own errors, so it needs none of them (docs/proxy-costs.md). Other
+    methods on the relay's paths still reach FastAPI, which answers 405.
     """
 
     def __init__(
