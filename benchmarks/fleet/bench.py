@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 import orjson
 from benchmarks.cache.__main__ import redis
+from benchmarks.fleet.fake import CONNECTIONS
 from benchmarks.fleet.report import render
 
 from mineru_gateway.testing import cpu_seconds, free_port, process_tree
@@ -133,6 +134,8 @@ def gets_per_worker(before: dict[str, Any], after: dict[str, Any], seconds: floa
     for port in ports:
         total = 0
         for path, count in after[port].items():
+            if path == CONNECTIONS:
+                continue
             done = count - before.get(port, {}).get(path, 0)
             total += done
             by_path[path] = by_path.get(path, 0) + done
@@ -170,6 +173,11 @@ async def load(url: str, requests: int, concurrency: int) -> list[float]:
     return latencies
 
 
+def connections(stats: dict[str, Any]) -> int:
+    """Connections the fleet has accepted."""
+    return sum(paths.get(CONNECTIONS, 0) for paths in stats.values())
+
+
 def measure(workers: int, processes: int, requests: int, concurrency: int) -> dict[str, Any]:
     with fleet(workers) as (urls, stats), gateway(urls, processes) as (url, pid):
         time.sleep(WARM_S)
@@ -178,7 +186,9 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
         time.sleep(IDLE_S)
         idle_s = time.monotonic() - start
         idle_cores = (tree_cpu(pid) - cpu) / idle_s
-        gets = gets_per_worker(counts, orjson.loads(get(stats)), idle_s)
+        idle_counts = orjson.loads(get(stats))
+        gets = gets_per_worker(counts, idle_counts, idle_s)
+        idle_connections = (connections(idle_counts) - connections(counts)) / idle_s
         rss = rss_mib(pids)
         scrape_cpu, size = [], 0
         for _ in range(SCRAPES):
@@ -192,6 +202,7 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
         asyncio.run(load(url, WARM_REQUESTS_PER_WORKER * workers * processes, concurrency))
         # Rounds, and their median: other jobs on the machine move a single round's figure.
         rounds, latencies, walls = [], [], []
+        opened = connections(orjson.loads(get(stats)))
         for _ in range(ROUNDS):
             cpu, start = tree_cpu(pid), time.monotonic()
             latencies += asyncio.run(load(url, requests // ROUNDS, concurrency))
@@ -199,6 +210,8 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
             walls.append(wall)
             rounds.append((tree_cpu(pid) - cpu - idle_cores * wall) / (requests // ROUNDS))
         request_cpu, wall = statistics.median(rounds), sum(walls)
+        # Those the reads and probes open at rest left out: what the requests opened.
+        opened = connections(orjson.loads(get(stats))) - opened - idle_connections * wall
     return {
         "workers": workers,
         "processes": processes,
@@ -211,6 +224,7 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
         "latency_ms_p50": statistics.median(latencies) * 1e3,
         "requests_per_s": ROUNDS * (requests // ROUNDS) / wall,
         "cpu_us_per_request_rounds": [r * 1e6 for r in rounds],
+        "connections_per_request": max(0.0, opened) / (ROUNDS * (requests // ROUNDS)),
     }
 
 

@@ -1,7 +1,8 @@
 """A fake fleet of vLLM workers in one process: W listening ports on 127.0.0.1, each answering
 what the gateway asks of a vLLM worker (`/health`, `/v1/models`, `/metrics`, chat completions)
 at once and with a fixed, idle load. It counts the GETs each port is asked, by path, so that the
-benchmark can tell what the gateway costs each worker.
+benchmark can tell what the gateway costs each worker, and the connections each port accepts
+(as the path `#connections`).
 
     python -m benchmarks.fleet.fake --workers 1024
 
@@ -21,6 +22,7 @@ import orjson
 import uvloop
 
 MODEL = "fleet-model"
+CONNECTIONS = "#connections"  # a count kept with the GETs' paths: connections accepted
 MODELS = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 METRICS = (
     b'vllm:num_requests_running{model_name="fleet-model"} 0.0\n'
@@ -62,6 +64,7 @@ class Worker(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         self._port = transport.get_extra_info("sockname")[1]
+        self._gets[(self._port, CONNECTIONS)] += 1
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data

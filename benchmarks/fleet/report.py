@@ -24,9 +24,10 @@ WHY = """\
 - **CPU per request** does not grow with W, with one process or four. Each process keeps a
   connection to a worker alive for 4 s after its last request there; among equally loaded
   drawn workers it takes one it holds a connection to (docs/operate/fleet-scale.md), so a
-  request rarely opens a connection first, however large the fleet. On this 2-core machine,
-  shared with other jobs, the 4 processes, the fleet and the client contend for the cores: the
-  rounds of one run differ by up to a third.
+  request rarely opens a connection first, however large the fleet (the connections the fleet
+  accepted during the requests, less those the reads and probes open at rest, per request).
+  On this 2-core machine, shared with other jobs, the 4 processes, the fleet and the client
+  contend for the cores: the rounds of one run differ by up to a third.
 - **Idle CPU** is mostly the reads and probes: `MAX_FLEET_GETS_PER_S` GETs per second at most,
   a worker's probe and read on one connection (usually made afresh: a worker's turn comes
   after its keep-alive lapsed), whatever W. With several processes, each of the others takes
@@ -49,6 +50,11 @@ def _value(value: float, unit: str) -> str:
     if value >= 1000:
         return f"{value:,.0f}"
     return f"{value:.3g}"
+
+
+def _connections(run: dict[str, Any]) -> str:
+    opened = run.get("connections_per_request")
+    return "-" if opened is None else f"{opened:.3f}"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -75,8 +81,9 @@ def render(result: dict[str, Any]) -> str:
         "## Runs",
         "",
         "| W | processes | idle cores | GETs/s per worker (mean / max) | RSS MiB | /metrics "
-        "bytes | scrape CPU ms | CPU us per request | vs W=8 | p50 ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "bytes | scrape CPU ms | CPU us per request | vs W=8 | connections per request "
+        "| p50 ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         gets = run["gets_per_worker_per_s"]
@@ -85,7 +92,7 @@ def render(result: dict[str, Any]) -> str:
             f"| {gets['mean']:.2f} / {gets['max']:.2f} | {run['rss_mib']:.0f} "
             f"| {run['metrics_bytes']:,} | {run['scrape_cpu_ms']:.1f} "
             f"| {run['cpu_us_per_request']:.0f} | {run['cpu_per_request_vs_w8']:.2f}x "
-            f"| {run['latency_ms_p50']:.1f} |"
+            f"| {_connections(run)} | {run['latency_ms_p50']:.1f} |"
         )
     lines += [
         "",
