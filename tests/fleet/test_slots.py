@@ -132,7 +132,7 @@ async def test_redis_away_falls_back_then_shares_again(redis_server: RedisServer
         taken = await slots.take(TENANT, 5)  # alone: the queue's own count limits the tenant
         assert time.monotonic() - started < 2.0
         assert len(taken) == 5 and slots.fallback
-        assert slots.metrics.fallbacks.cell()[0] == 1
+        assert slots.metrics.fallbacks.cell("slots")[0] == 1
         assert len(await slots.take(TENANT, 1)) == 1  # no second wait for Redis
         slots.release(taken[0])
         redis_server.start()  # an empty Redis: it lost the slots

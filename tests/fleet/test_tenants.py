@@ -184,7 +184,7 @@ async def test_redis_away_counts_alone_then_shares_again(redis_server: RedisServ
         assert shares.others("acme") == (6, 6, 6)
         redis_server.stop()
         await asyncio.sleep(0.3)
-        assert shares.fallback and shares.metrics.fallbacks.cell()[0] == 1
+        assert shares.fallback and shares.metrics.fallbacks.cell("counts")[0] == 1
         assert shares.others("acme") == (1, 1, 1)  # this replica alone
         redis_server.start()  # an empty Redis: the other replica writes again
         other.publish("acme", 2, 2, 2)
@@ -194,7 +194,7 @@ async def test_redis_away_counts_alone_then_shares_again(redis_server: RedisServ
                 break
             await asyncio.sleep(0.05)
         assert not shares.fallback and shares.others("acme") == (3, 3, 3)
-        assert shares.metrics.fallbacks.cell()[0] == 1
+        assert shares.metrics.fallbacks.cell("counts")[0] == 1
     finally:
         await shares.close()
         await other.close()

@@ -99,8 +99,9 @@ class FleetMetrics:
     fallbacks: Counter = field(
         default_factory=lambda: Counter(
             "mineru_gateway_fleet_state_fallbacks",
-            "Times this process lost Redis and counted tenants' requests alone.",
-            (),
+            "Times this process lost Redis and counted tenants' requests alone, by what it "
+            "shares there: in-flight slots, or queue counts.",
+            ("part",),
         )
     )
 
@@ -271,7 +272,7 @@ class FleetSlots:
         if self.fallback:
             return
         self.fallback = True
-        self.metrics.fallbacks.inc()
+        self.metrics.fallbacks.inc("slots")
         log.warning(
             "fleet_state_fallback",
             error=type(error).__name__,

@@ -237,7 +237,7 @@ class FleetTenants:
         if self.fallback:
             return
         self.fallback = True
-        self.metrics.fallbacks.inc()
+        self.metrics.fallbacks.inc("counts")
         log.warning(
             "fleet_state_fallback",
             error=type(error).__name__,
