@@ -129,12 +129,12 @@ def test_queue_heads_rank_by_band_then_live_share_then_age_and_go_stale(tmp_path
     counts[1].publish("b", 1, 1, 10)  # b: 1 in flight (process 1), weight 2: share 0.5
     counts[0].publish("a", 2, 0, 0)
     heads[1].post(10.0, 0, "b", 2.0, 0.5, "m", queued_at=7.0)
-    heads[2].post(10.0, -1, "c", 1.0, 9.0, None, queued_at=8.0)
+    heads[2].post(10.0, -1, "c", 1.0, 0.0, None, queued_at=8.0)
     key = model_key("m")
     assert 0 < key < 2**52 and model_key(None) == 0.0
     # (process, model key, when queued): b's smaller share in 1; a lower band in 2
     assert heads[0].ahead(0, 2.0, 9.0, since=9.0) == [(1, key, 7.0), (2, 0.0, 8.0)]
-    # c's share is read from the table too (0: the 9 it posted stands only without a column)
+    # c's share is read from the table too
     assert heads[0].ahead(-1, 0.0, 9.0, since=9.0) == [(2, 0.0, 8.0)]  # equal, but older
     assert heads[0].ahead(-1, 0.0, 7.5, since=9.0) == []
     assert heads[1].ahead(0, 0.5, 9.0, since=9.0) == [(2, 0.0, 8.0)]  # its own is not another's
@@ -153,6 +153,23 @@ def test_queue_heads_rank_by_band_then_live_share_then_age_and_go_stale(tmp_path
     assert heads[0].ahead(5, 1.0, 9.0, since=0.0) == []  # restarted: none
     assert not heads[0].posted_since(0.0) and heads[0].waiting(0.0) == []
     restarted.close()
+
+
+def test_a_heads_share_keeps_what_other_replicas_hold_of_its_tenant(tmp_path: Path) -> None:
+    """With fleet state a share counts other replicas' requests too: what the posted share
+    holds beyond the replica's table stays with the head, and the table's part is read live."""
+
+    def tenants(index: int) -> GroupTenants:
+        return GroupTenants(GroupLoad(tmp_path / "t", 2, index, columns=8, width=TENANT_WIDTH))
+
+    counts = [tenants(index) for index in range(2)]
+    heads = [QueueHeads(tmp_path / "h", 2, index, counts[index]) for index in range(2)]
+    counts[1].publish("b", 1, 1, 10)
+    heads[1].post(10.0, 0, "b", 1.0, 5.0, "m", queued_at=7.0)  # 1 here, 4 in other replicas
+    assert heads[0].ahead(0, 4.5, 9.0, since=9.0) == []  # 5 > 4.5
+    assert heads[0].ahead(0, 5.5, 9.0, since=9.0) == [(1, model_key("m"), 7.0)]
+    counts[1].publish("b", 0, 1, 10)  # its request here ended: 4 left, in other replicas
+    assert heads[0].ahead(0, 4.5, 9.0, since=9.0) == [(1, model_key("m"), 7.0)]
 
 
 def test_a_head_whose_tenant_has_no_column_is_ranked_by_its_posted_share(tmp_path: Path) -> None:

@@ -330,7 +330,9 @@ class GroupTenants:
         return self._table.total(column, 0)
 
 
-_HEAD_WIDTH = 7  # when posted, priority, share, model key, when queued, tenant column, weight
+# when posted, priority, share, model key, when queued, tenant column, weight, and the tenant's
+# requests in flight in other replicas (fleet state) when posted
+_HEAD_WIDTH = 8
 
 
 @functools.lru_cache(maxsize=256)
@@ -384,9 +386,14 @@ class QueueHeads:
         queued_at: float,
     ) -> None:
         """This process's head now: its tenant's `share` stands for it where the tenant has no
-        column; `queued_at` tells one head from the next and orders equal shares."""
+        column; `queued_at` tells one head from the next and orders equal shares. What the
+        share counts beyond the replica's table (other replicas' requests, fleet state) is
+        posted with it, so that the head is ranked on the same counts as a share read here."""
         column = -1 if self._tenants is None else self._tenants.column_of(tenant)
-        head = (at, priority, share, model_key(model), queued_at, column, weight)
+        remote = 0.0
+        if column >= 0 and self._tenants is not None:
+            remote = max(0.0, share * weight - self._tenants.in_flight_at(column))
+        head = (at, priority, share, model_key(model), queued_at, column, weight, remote)
         _write(self._values, self._own, head)
 
     def clear(self) -> None:
@@ -405,7 +412,8 @@ class QueueHeads:
             theirs = values[at + 2]
             column = int(values[at + 5])
             if column >= 0 and self._tenants is not None:
-                theirs = self._tenants.in_flight_at(column) / values[at + 6]
+                in_flight = self._tenants.in_flight_at(column) + values[at + 7]
+                theirs = in_flight / values[at + 6]
             if (values[at + 1], theirs, values[at + 4]) < (priority, share, queued_at):
                 found.append((index, values[at + 3], values[at + 4]))
         return found
