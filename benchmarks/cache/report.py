@@ -27,6 +27,20 @@ NOTES = """\
 - MinerU's client: the wall time of a pass is the client's own work (resizing and encoding each
   page and block, on the same shared cores) plus waiting for answers; its CPU is the client
   process's own. A second pass answered from the cache leaves the first of the two.
+
+## What a miss and a hit cost, and where
+
+- **A miss** (a request neither cache nor flight can answer) pays for the key (a sorted dump
+  of the body, its BLAKE3 hash and the tenant-scoped hash), the look for a flight, the
+  `X-Cache` header and, for the leader, holding the answer on its own exchange until it is
+  whole. A store adds its lookup, and for a complete answer a write: in place in memory, a GET
+  and a SET on the store's one pipelined connection for Redis (its client's cost per command:
+  [redis_clients.md](redis_clients.md)). Instruction counts per request, the same on every run
+  of the same code, are in cache.inprocess.json
+  (`python -m benchmarks.cache.inprocess`, callgrind).
+- **A hit** of a page request costs the gateway the admission parse, the key over the page's
+  bytes ("in process" above), reading the body and writing the answer; its p99 on a shared
+  machine is the scheduler's as much as the gateway's (load average above).
 """
 
 
