@@ -14,8 +14,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from mineru_gateway.testing import CountingWorker
 from tests.conftest import StartGateway
-from tests.support.counting_worker import Counts, counting_worker
 from tests.support.redis_server import RedisServer
 from tests.support.servers import serve
 
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def worker(servers: ExitStack) -> tuple[Counts, str]:
-    counts = Counts(hold_s=0.1)
-    return counts, servers.enter_context(serve(counting_worker(counts)))
+def worker(servers: ExitStack) -> tuple[CountingWorker, str]:
+    counts = CountingWorker(hold_s=0.1)
+    return counts, servers.enter_context(serve(counts))
 
 
 def replicas(
@@ -83,7 +83,7 @@ def fallback(text: str) -> float:
 
 
 async def test_a_tenants_queue_limit_holds_across_replicas(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     """Both replicas flooded by one tenant with `max_queued` 4: together they queue about 4
     (each alone would queue 4), the rest is refused with `tenant_queue_full`. Each dequeue is
@@ -132,7 +132,7 @@ async def share_of_b(gateways: list[str], seconds: float = 3.0) -> tuple[float, 
 
 
 async def test_fair_shares_count_every_replicas_requests(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     """Each replica fills half the worker. Counting alone, the second replica splits its half
     between A and B (B gets about a quarter); with the counts shared it sees A holding the
@@ -147,7 +147,7 @@ async def test_fair_shares_count_every_replicas_requests(
 
 
 async def test_redis_killed_mid_run_requests_keep_being_served(
-    worker: tuple[Counts, str], start_gateway: StartGateway, redis_server: RedisServer
+    worker: tuple[CountingWorker, str], start_gateway: StartGateway, redis_server: RedisServer
 ) -> None:
     _, url = worker
     gateways = replicas(start_gateway, url, redis_server.url, tenant_max_queued=50)
