@@ -105,6 +105,17 @@ class FleetMetrics:
         )
     )
 
+    def fell_back(self, part: str, error: BaseException, meaning: str) -> None:
+        """A part of fleet state lost Redis: counted, and said once in the log."""
+        self.fallbacks.inc(part)
+        log.warning(
+            "fleet_state_fallback",
+            part=part,
+            error=type(error).__name__,
+            detail=str(error)[:200],
+            meaning=meaning,
+        )
+
 
 @dataclass(eq=False, slots=True)
 class _Ask:
@@ -272,13 +283,8 @@ class FleetSlots:
         if self.fallback:
             return
         self.fallback = True
-        self.metrics.fallbacks.inc("slots")
-        log.warning(
-            "fleet_state_fallback",
-            error=type(error).__name__,
-            detail=str(error)[:200],
-            meaning="tenants' in-flight limits hold per replica until Redis answers again",
-        )
+        meaning = "tenants' in-flight limits hold per replica until Redis answers again"
+        self.metrics.fell_back("slots", error, meaning)
 
     async def _keep(self) -> None:
         """Renews the held slots' leases every lease_s / 3; while Redis is away, tries it

@@ -237,14 +237,8 @@ class FleetTenants:
         if self.fallback:
             return
         self.fallback = True
-        self.metrics.fallbacks.inc("counts")
-        log.warning(
-            "fleet_state_fallback",
-            error=type(error).__name__,
-            detail=str(error)[:200],
-            meaning="tenants' queue limits and shares count this replica alone until Redis "
-            "answers again",
-        )
+        meaning = "tenants' queue limits and shares count this replica alone until Redis answers"
+        self.metrics.fell_back("counts", error, meaning)
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
