@@ -70,7 +70,7 @@ class LoadReader:
             # The worker may have counted the requests sent while the read was under way: they
             # are ours too. Counted as someone else's, each would stand as a phantom request on
             # the worker until the next read, and could send a request to a worker whose batch
-            # is full (benchmarks/results/stream_events.md). Ours that ended meanwhile stay
+            # is full. Ours that ended meanwhile stay
             # counted: that can only hide someone else's request, never make up one.
             own += worker.leased - leased
             # The same for the sibling processes' (whose sends during the read are not known
