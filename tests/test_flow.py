@@ -155,13 +155,18 @@ def test_a_tenants_in_flight_limit_holds_across_processes(tmp_path: Path) -> Non
 
 
 class OtherReplicas:
-    """Fixed counts of each tenant elsewhere, as fleet state reads them from Redis."""
+    """Fixed counts of each tenant elsewhere, as fleet state reads them from Redis (whose
+    slots hold `max_in_flight`: `limited` False), or as other processes count them."""
 
-    def __init__(self, counts: dict[str, tuple[int, int, int]]) -> None:
+    def __init__(self, counts: dict[str, tuple[int, int, int]], limited: bool = False) -> None:
         self.counts = counts
+        self.limited = limited
 
     def others(self, tenant: str) -> tuple[int, int, int]:
         return self.counts.get(tenant, (0, 0, 0))
+
+    def in_flight_limited(self, tenant: str) -> int:
+        return self.others(tenant)[0] if self.limited else 0
 
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         pass
@@ -172,14 +177,14 @@ def test_in_flight_elsewhere_apart_orders_by_share_but_limits_on_its_own_counts(
     `max_in_flight` is held by Redis's slots, not by their counts."""
     capped = TenantPolicy("capped", max_in_flight=2)
     elsewhere = OtherReplicas({"capped": (5, 0, 0), "b": (1, 0, 0)})
-    queue = FairQueue(elsewhere=elsewhere, in_flight_elsewhere=None)
+    queue = FairQueue(elsewhere=elsewhere)
     queue.push(ticket(capped))
     queue.push(ticket(B))
     assert queue.may_start(capped)
     assert queue.share(capped) == 5.0
     served = [head.name for head in drain(queue)]
     assert served == ["b", "capped"]  # b holds less of the fleet; capped is not held back
-    counted = FairQueue(elsewhere=elsewhere)
+    counted = FairQueue(elsewhere=OtherReplicas(elsewhere.counts, limited=True))
     counted.push(ticket(capped))
     assert not counted.may_start(capped) and counted.next() is None
 

@@ -43,7 +43,6 @@ so a snapshot shows some waiting at any load.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -148,6 +147,10 @@ class TenantsElsewhere(Protocol):
     def others(self, tenant: str) -> tuple[int, int, int]:
         """The other processes' (in flight, queued, queued bytes) of the tenant."""
 
+    def in_flight_limited(self, tenant: str) -> int:
+        """The other processes' requests in flight of the tenant that count against its
+        `max_in_flight` here: all of them, or none that fleet state's slots hold already."""
+
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         """This process's counts of the tenant, now."""
 
@@ -188,12 +191,6 @@ class _Band:
     queues: dict[str, deque[Ticket]] = field(default_factory=dict)
 
 
-def _may_start(policy: TenantPolicy, everywhere: int) -> bool:
-    """Under the tenant's in-flight limit, counting its requests in every process."""
-    limit = policy.max_in_flight
-    return limit is None or everywhere < limit
-
-
 @dataclass(slots=True)
 class ModelQueue:
     """The queued requests for one model."""
@@ -203,29 +200,17 @@ class ModelQueue:
     oldest: float  # when the longest-waiting one arrived (the caller's clock)
 
 
-class _Same(enum.Enum):
-    AS_ELSEWHERE = 0
-
-
 class FairQueue:
     """Priority bands, fair sharing between tenants inside each, FIFO inside a tenant."""
 
     def __init__(
-        self,
-        limits: QueueLimits | None = None,
-        elsewhere: TenantsElsewhere | None = None,
-        in_flight_elsewhere: TenantsElsewhere | _Same | None = _Same.AS_ELSEWHERE,
+        self, limits: QueueLimits | None = None, elsewhere: TenantsElsewhere | None = None
     ) -> None:
         """`elsewhere`: the other processes' counts of each tenant, which its limits and share
-        then include. The queue's totals stay this process's: they bound its memory.
-        `in_flight_elsewhere`: the counts a tenant's `max_in_flight` adds, when not all of
-        `elsewhere`'s (fleet state holds it across replicas exactly, fleet/slots.py, so only
-        this replica's processes count here)."""
+        then include (its `max_in_flight` those `in_flight_limited` names). The queue's totals
+        stay this process's: they bound its memory."""
         self.limits = limits or QueueLimits()
         self._elsewhere = elsewhere
-        self._limit_elsewhere = (
-            elsewhere if isinstance(in_flight_elsewhere, _Same) else in_flight_elsewhere
-        )
         self._bands: dict[int, _Band] = {}
         self._tenants: dict[str, _TenantState] = {}
         self.queued = 0
@@ -302,12 +287,8 @@ class FairQueue:
         for its weight (a tenant whose requests went straight to workers has used its turn)."""
         for name, tickets in band.queues.items():
             state = self._tenants[name]
-            everywhere = state.in_flight + self._others(name)[0]  # read once for both
-            if self._limit_elsewhere is not self._elsewhere:
-                limited = state.in_flight + self._limited_others(name)
-            else:
-                limited = everywhere
-            if _may_start(state.policy, limited):
+            if self.may_start(state.policy):
+                everywhere = state.in_flight + self._others(name)[0]
                 tag = max(band.clock, state.finish.get(priority, 0.0))
                 yield tag, everywhere / state.policy.weight, tickets[0]
 
@@ -399,11 +380,16 @@ class FairQueue:
 
     def _limited_others(self, tenant: str) -> int:
         """The other processes' requests in flight that count against `max_in_flight`."""
-        elsewhere = self._limit_elsewhere
-        return 0 if elsewhere is None else elsewhere.others(tenant)[0]
+        elsewhere = self._elsewhere
+        return 0 if elsewhere is None else elsewhere.in_flight_limited(tenant)
 
     def may_start(self, tenant: TenantPolicy) -> bool:
-        return _may_start(tenant, self.in_flight(tenant.name) + self._limited_others(tenant.name))
+        """Under the tenant's in-flight limit, counting its requests in the processes that
+        limit counts (`TenantsElsewhere.in_flight_limited`)."""
+        limit = tenant.max_in_flight
+        if limit is None:
+            return True
+        return self.in_flight(tenant.name) + self._limited_others(tenant.name) < limit
 
     def share(self, tenant: TenantPolicy) -> float:
         """The tenant's requests in flight, in every process, for its weight: how queue heads

@@ -20,6 +20,9 @@ class Siblings:
     def others(self, tenant: str) -> tuple[int, int, int]:
         return self.counts.get(tenant, (0, 0, 0))
 
+    def in_flight_limited(self, tenant: str) -> int:
+        return self.others(tenant)[0]
+
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         self.published[tenant] = (in_flight, queued, queued_bytes)
 

@@ -221,7 +221,7 @@ def build_dispatcher(
         shared = build_fleet_tenants(settings, fleet)
         alone = Dispatcher(
             registry,
-            FairQueue(limits, elsewhere=shared, in_flight_elsewhere=None),
+            FairQueue(limits, elsewhere=shared),
             room,
             enabled=settings.flow_control,
             fleet=fleet,
@@ -236,7 +236,7 @@ def build_dispatcher(
     doorbell = siblings.doorbell()
     dispatcher = Dispatcher(
         registry,
-        FairQueue(limits, elsewhere=shared or tenants, in_flight_elsewhere=tenants),
+        FairQueue(limits, elsewhere=shared or tenants),
         room,
         enabled=settings.flow_control,
         coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),

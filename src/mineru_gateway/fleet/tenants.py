@@ -166,6 +166,11 @@ class FleetTenants:
             return local
         return local[0] + remote[0], local[1] + remote[1], local[2] + remote[2]
 
+    def in_flight_limited(self, tenant: str) -> int:
+        """This replica's other processes' only: across replicas the slots hold the limit
+        exactly (slots.py), so other replicas' counts would count it twice."""
+        return 0 if self._local is None else self._local.in_flight_limited(tenant)
+
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         if self._local is not None:
             self._local.publish(tenant, in_flight, queued, queued_bytes)

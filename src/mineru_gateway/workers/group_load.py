@@ -320,6 +320,9 @@ class GroupTenants:
         in_flight, queued, queued_bytes = self._table.others_row(column)
         return int(in_flight), int(queued), int(queued_bytes)
 
+    def in_flight_limited(self, tenant: str) -> int:
+        return self.others(tenant)[0]
+
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         column = self.column_of(tenant)
         if column >= 0:
