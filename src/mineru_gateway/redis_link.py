@@ -20,6 +20,7 @@ replies: the round trip redis-py's pipelines make.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ssl
 from collections import deque
 from typing import Any, cast
@@ -43,6 +44,15 @@ class RedisLink:
         self._connect_timeout_s = connect_timeout_s
         self._protocol: _Replies | None = None
         self._opening: asyncio.Future[_Replies] | None = None
+        self._scripts: dict[str, bytes] = {}  # SHA1 -> Lua source, given to a Redis without it
+
+    def script(self, source: str) -> str:
+        """The SHA1 to run `source` by (EVALSHA). A Redis that does not have it (a new one, a
+        restarted one, a flushed script cache) answers NOSCRIPT: it is given every script and
+        the command (or the pipeline) sent again, once."""
+        sha = hashlib.sha1(source.encode()).hexdigest()
+        self._scripts[sha] = source.encode()
+        return sha
 
     async def get(self, key: bytes) -> bytes | None:
         reply = await self._call((b"GET", key))
@@ -55,22 +65,43 @@ class RedisLink:
 
     async def call(self, *command: Argument) -> Reply:
         """Any command; its reply. An error reply is raised as RedisReplyError."""
-        return await self._call(_encoded(command))
+        encoded = _encoded(command)
+        try:
+            return await self._call(encoded)
+        except RedisReplyError as error:
+            if not self._lacks_scripts(error):
+                raise
+        await self._load_scripts()
+        return await self._call(encoded)
 
     async def pipeline(self, commands: list[tuple[Argument, ...]]) -> list[Reply]:
         """The commands written together, their replies awaited together (in order). After
         every reply is in, the first error reply among them is raised as RedisReplyError."""
         if not commands:
             return []
-        protocol = self._protocol
-        if protocol is None or protocol.lost:
-            protocol = await self._open()
-        waiters = protocol.send([_encoded(command) for command in commands])
-        replies = await asyncio.gather(*waiters, return_exceptions=True)
+        encoded = [_encoded(command) for command in commands]
+        replies = await self._send_all(encoded)
+        if any(
+            isinstance(reply, RedisReplyError) and self._lacks_scripts(reply) for reply in replies
+        ):
+            await self._load_scripts()
+            replies = await self._send_all(encoded)
         for reply in replies:
             if isinstance(reply, BaseException):
                 raise reply
         return cast(list[Reply], replies)
+
+    async def _send_all(self, commands: list[tuple[bytes, ...]]) -> list[Reply | BaseException]:
+        protocol = self._protocol
+        if protocol is None or protocol.lost:
+            protocol = await self._open()
+        return await asyncio.gather(*protocol.send(commands), return_exceptions=True)
+
+    def _lacks_scripts(self, error: RedisReplyError) -> bool:
+        return bool(self._scripts) and str(error).startswith("NOSCRIPT")
+
+    async def _load_scripts(self) -> None:
+        await self.pipeline([(b"SCRIPT", b"LOAD", source) for source in self._scripts.values()])
 
     async def close(self) -> None:
         if self._opening is not None and not self._opening.done():

@@ -111,3 +111,15 @@ async def test_a_pipeline_sends_together_and_raises_an_error_after_every_reply(
         await link.pipeline([("EVALSHA", "0" * 40, 0), ("INCR", "a")])
     assert await link.get(b"a") == b"3"  # the command after the error ran, its reply was read
     await link.close()
+
+
+async def test_a_script_redis_lacks_is_given_to_it_and_the_commands_sent_again(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(redis_server.url)
+    sha = link.script("return tonumber(ARGV[1]) + 1")
+    assert await link.call("EVALSHA", sha, 0, 1) == 2  # never loaded: loaded on NOSCRIPT
+    with Redis(port=redis_server.port) as witness:
+        witness.script_flush()
+    assert await link.pipeline([("EVALSHA", sha, 0, 2), ("EVALSHA", sha, 0, 3)]) == [3, 4]
+    await link.close()

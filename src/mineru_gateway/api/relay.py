@@ -525,7 +525,6 @@ async def _until_done_or_disconnect(
             raise ClientDisconnected from None
         raise
     finally:
-        exchange.stays = None
         if link is not None:
             link.on_lost(None)
         elif watcher is not None:

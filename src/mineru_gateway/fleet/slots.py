@@ -153,9 +153,8 @@ class FleetSlots:
     ) -> None:
         # The link never retries: one bounded try, then this replica counts alone.
         self._redis = RedisLink(url, connect_timeout_s=timeout_s)
-        self._take_sha = hashlib.sha1(_TAKE.encode()).hexdigest()
-        self._renew_sha = hashlib.sha1(_RENEW.encode()).hexdigest()
-        self._loaded = False  # the scripts are in Redis's script cache
+        self._take_sha = self._redis.script(_TAKE)
+        self._renew_sha = self._redis.script(_RENEW)
         self.lease_s = lease_s
         self._lease_ms = max(1, int(lease_s * 1000))
         self.timeout_s = timeout_s
@@ -255,11 +254,6 @@ class FleetSlots:
                 commands.append((b"EVALSHA", self._renew_sha, 1, key, self._lease_ms, *held))
         try:
             async with asyncio.timeout(self.timeout_s):
-                if not self._loaded:
-                    await self._redis.pipeline(
-                        [(b"SCRIPT", b"LOAD", _TAKE), (b"SCRIPT", b"LOAD", _RENEW)]
-                    )
-                    self._loaded = True
                 results = await self._redis.pipeline(commands)
         except (TimeoutError, RedisReplyError, OSError) as error:
             for key, ids in ended.items():
@@ -279,7 +273,6 @@ class FleetSlots:
             self._wake()
 
     def _fall_back(self, error: BaseException) -> None:
-        self._loaded = False  # a Redis that comes back may be a new one
         if self.fallback:
             return
         self.fallback = True

@@ -98,7 +98,6 @@ for _, field in ipairs(order) do
 end
 return reply
 """
-_SHARE_SHA = hashlib.sha1(_SHARE.encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=65536)
@@ -148,7 +147,7 @@ class FleetTenants:
         self._other_replicas = 0  # replicas, other than this one, with a process sharing
         self._dirty = True
         self._unwritten = 0  # periods since this process's counts were last written
-        self._loaded = False  # the script is in Redis's script cache
+        self._share = self._redis.script(_SHARE)
         self._task: asyncio.Task[None] | None = None
         self.fallback = False
         self.metrics = metrics or FleetMetrics()  # fleet/slots.py's, when both run
@@ -197,14 +196,14 @@ class FleetTenants:
         Redis is back) and the other replicas' totals."""
         write = self._dirty or self.fallback or self._unwritten + 1 >= KEEPALIVE_PERIODS
         self._dirty = False  # a publish during the round trip marks it again
-        command: list[Argument] = [b"EVALSHA", _SHARE_SHA, 2, INDEX_KEY, KEY_PREFIX + self._member]
+        command: list[Argument] = [b"EVALSHA", self._share, 2, INDEX_KEY, KEY_PREFIX + self._member]
         command += [self._ttl_ms, self._member, self._own, KEY_PREFIX, b"1" if write else b"0"]
         if write:
             for tenant, (in_flight, queued, size) in self._mine.items():
                 command += [tenant_field(tenant), b"%d %d %d" % (in_flight, queued, size)]
         try:
             async with asyncio.timeout(self.timeout_s):
-                others, remote = _totals(await self._send(tuple(command)))
+                others, remote = _totals(await self._redis.call(*command))
         except (TimeoutError, RedisReplyError, OSError) as error:
             self._dirty = self._dirty or write
             self._fall_back(error)
@@ -218,22 +217,7 @@ class FleetTenants:
             self.fallback = False
             log.info("fleet_state_shared", part="tenants' queue counts")
 
-    async def _send(self, command: tuple[Argument, ...]) -> object:
-        """The script's run; loaded first when Redis does not have it (a new or restarted
-        Redis answers NOSCRIPT)."""
-        if not self._loaded:
-            await self._redis.call(b"SCRIPT", b"LOAD", _SHARE)
-            self._loaded = True
-        try:
-            return await self._redis.call(*command)
-        except RedisReplyError as error:
-            if not str(error).startswith("NOSCRIPT"):
-                raise
-        await self._redis.call(b"SCRIPT", b"LOAD", _SHARE)
-        return await self._redis.call(*command)
-
     def _fall_back(self, error: BaseException) -> None:
-        self._loaded = False  # a Redis that comes back may be a new one
         self._other_replicas = 0
         if self._remote:
             self._remote = {}  # counts this replica alone
