@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from benchmarks.cache.__main__ import redis
 
 from mineru_gateway.testing import CountingWorker, free_port, wait_http_ok, wait_until
 
@@ -61,14 +62,6 @@ def process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-
-
-def redis_server(port: int, log: Path) -> Any:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed: `make system-deps`")
-    argv = [binary, "--port", str(port), "--save", "", "--appendonly", "no"]
-    return process(argv, log)
 
 
 def gateway(worker: str, limit: int, fleet_state: str, log: Path) -> Any:
@@ -157,13 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     directory = Path(args.out).with_suffix(".logs")
     directory.mkdir(parents=True, exist_ok=True)
-    redis_port = free_port()
-    with redis_server(redis_port, directory / "redis.log"):
-        time.sleep(0.5)
-        runs = [
-            run(args, "off", directory),
-            run(args, f"redis://127.0.0.1:{redis_port}/0", directory),
-        ]
+    with ExitStack() as stack:
+        runs = [run(args, "off", directory), run(args, redis(stack), directory)]
     shutil.rmtree(directory, ignore_errors=True)
     document = {
         "command": "python -m benchmarks.fleet_state " + " ".join(argv or sys.argv[1:]),

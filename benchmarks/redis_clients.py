@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
 import statistics
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 
 import uvloop
+from benchmarks.cache.__main__ import redis
 from redis.asyncio import Redis
 
 from mineru_gateway.redis_link import RedisLink
-from mineru_gateway.testing import free_port, wait_until
 
 KEY, VALUE = b"mineru-gateway:bench", b"x" * 64
 
@@ -62,34 +60,14 @@ async def measure(url: str, gets: int, concurrency: int, rounds: int) -> dict[st
     return {name: statistics.median(values) for name, values in found.items()}
 
 
-def answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gets", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed: `make system-deps`")
-    port = free_port()
-    argv = [binary, "--port", str(port), "--save", "", "--appendonly", "no"]
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: answers(port), 10.0, "redis-server start")
-        url = f"redis://127.0.0.1:{port}/0"
-        figures = uvloop.run(measure(url, args.gets, args.concurrency, args.rounds))
-    finally:
-        server.terminate()
-        server.wait(10)
+    with ExitStack() as stack:
+        figures = uvloop.run(measure(redis(stack), args.gets, args.concurrency, args.rounds))
     print(
         f"{args.gets} GETs of {len(VALUE)} bytes, {args.concurrency} concurrent, uvloop, "
         f"median of {args.rounds} rounds"

@@ -12,6 +12,7 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,15 +106,27 @@ def gateway(stack: ExitStack, workers: list[str], *settings: str) -> tuple[str, 
 
 
 def redis(stack: ExitStack) -> str:
+    """A `redis-server` of its own (Debian's package, `make system-deps`), stopped with
+    `stack`, once it answers: its URL."""
     port = free_port()
     binary = shutil.which("redis-server")
-    assert binary, "redis-server: make system-deps"
+    if binary is None:
+        raise SystemExit("redis-server is not installed: `make system-deps`")
     argv = [binary, "--port", str(port), "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     stack.callback(proc.wait, 10)
     stack.callback(proc.terminate)
-    time.sleep(0.5)
+    wait_until(lambda: _pongs(port), 10.0, "redis-server start")
     return f"redis://127.0.0.1:{port}/0"
+
+
+def _pongs(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
 
 
 def cpu_s(pid: int) -> float:
