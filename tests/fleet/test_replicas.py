@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from mineru_gateway.testing import CountingWorker
 from tests.conftest import StartGateway
+from tests.fleet.conftest import CountingWorkers
 from tests.support.redis_server import RedisServer
-from tests.support.servers import serve, wait_until
+from tests.support.servers import wait_until
 
 CHAT = "/v1/chat/completions"
 LIMIT = 3
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
-def worker(servers: ExitStack) -> tuple[CountingWorker, str]:
-    counts = CountingWorker(hold_s=0.15)
-    return counts, servers.enter_context(serve(counts))
+def worker(counting_worker: CountingWorkers) -> tuple[CountingWorker, str]:
+    return counting_worker(0.15)
 
 
 def replicas(

@@ -9,15 +9,14 @@ import asyncio
 import re
 import statistics
 from collections import Counter
-from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from mineru_gateway.testing import CountingWorker
 from tests.conftest import StartGateway
+from tests.fleet.conftest import CountingWorkers
 from tests.support.redis_server import RedisServer
-from tests.support.servers import serve
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -30,9 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def worker(servers: ExitStack) -> tuple[CountingWorker, str]:
-    counts = CountingWorker(hold_s=0.1)
-    return counts, servers.enter_context(serve(counts))
+def worker(counting_worker: CountingWorkers) -> tuple[CountingWorker, str]:
+    return counting_worker(0.1)
 
 
 def replicas(
