@@ -4,7 +4,7 @@ and per read of the gateway's load series only (`LOAD_PATH`, `/metrics/?name[]=.
 over `--reads` sequential reads of each, on an idle engine (issue 16).
 
 The gateway reads every worker's load each `load_interval_s` (0.2 s), filtered where vLLM can
-filter (workers/vllm_metrics.py); with `serve --processes N` the first process reads for all
+filter (vllm_contract.py); with `serve --processes N` the first process reads for all
 (siblings.py), so the cost does not grow with N.
 
     python -m benchmarks.scrape_cost --out benchmarks/results/scrape_cost.json
@@ -30,9 +30,9 @@ import uvloop
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.routing import RoundRobin
 from mineru_gateway.testing import cpu_seconds, start_vllm_server, vllm_paths_from_env
+from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
-from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH
 
 PATHS = ("/health", FULL_PATH, LOAD_PATH)
 LABELS = {LOAD_PATH: "/metrics/?name[]=... (the gateway's load read)"}

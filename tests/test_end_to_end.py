@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.testing import start_vllm_server, vllm_paths_from_env, wait_until
-from mineru_gateway.workers.vllm_metrics import LOAD_PATH, LOAD_SERIES, parse_vllm_load
+from mineru_gateway.vllm_contract import LOAD_PATH, LOAD_SERIES, parse_vllm_load
 from tests.conftest import StartGateway, StartSim
 
 CHAT = "/v1/chat/completions"

@@ -481,7 +481,7 @@ def test_the_readers_findings_round_trip_and_each_worker_is_serialised_once() ->
     import time
 
     from mineru_gateway.siblings import Findings, findings_from_json
-    from mineru_gateway.workers.vllm_metrics import VllmLoad
+    from mineru_gateway.vllm_contract import VllmLoad
     from mineru_gateway.workers.worker import Scrape, Worker
 
     a, b = Worker("http://a:1", healthy=True, models={"m": {"id": "m"}}), Worker("http://b:1")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from benchmarks.scrape_cost import gateway_read_cost, markdown, read_cost
 
-from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH
+from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH
 from tests.conftest import StartSim
 from tests.support.servers import serve
 

@@ -42,13 +42,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from mineru_gateway.vllm_contract import VllmLoad
 from mineru_gateway.workers.group_load import (
     TENANT_WIDTH,
     GroupLoad,
     GroupTenants,
     QueueHeads,
 )
-from mineru_gateway.workers.vllm_metrics import VllmLoad
 from mineru_gateway.workers.worker import Scrape, Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.siblings")

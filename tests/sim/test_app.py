@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.sim import SimConfig, create_sim_app
-from mineru_gateway.workers.vllm_metrics import LOAD_PATH
+from mineru_gateway.vllm_contract import LOAD_PATH
 from tests.support.servers import serve
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -235,7 +235,6 @@ async def test_errors_match_vllm_exactly(
         (chat_body(max_tokens=2040), "max_tokens"),
         (chat_body(max_tokens=0), "max_tokens"),
         (chat_body(max_tokens=5, min_tokens=9), None),
-        (chat_body(priority=3), None),
         (chat_body(n=2), "n"),
         (chat_body(messages=[{"role": "user", "content": "x" * 9000}]), "prompt"),
     ],

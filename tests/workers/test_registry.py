@@ -12,6 +12,7 @@ import pytest
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import LoadModel, QueueLength, RoundRobin
 from mineru_gateway.siblings import reading_from_json, reading_json
+from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH, VllmLoad
 from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import (
     HealthPolicy,
@@ -21,7 +22,6 @@ from mineru_gateway.workers.registry import (
     learn_batch,
 )
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
-from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad
 from tests.conftest import StartSim
 from tests.support.workers import Script
 

@@ -10,11 +10,11 @@ import pytest
 
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.routing import RoundRobin
+from mineru_gateway.vllm_contract import VllmLoad
 from mineru_gateway.workers.health import MODELS_EVERY_S
 from mineru_gateway.workers.registry import HealthPolicy, Scrape, WorkerRegistry
 from mineru_gateway.workers.sweep import Budget, Sweep
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
-from mineru_gateway.workers.vllm_metrics import VllmLoad
 from mineru_gateway.workers.worker import Worker
 
 

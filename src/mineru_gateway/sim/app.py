@@ -41,11 +41,19 @@ class Simulator:
         self.config = config
         self.scheduler = Scheduler(config)
         self.engine = EngineLoop(self.scheduler, config.time_scale)
-        self.registry = build_registry(self.scheduler, config.model_name, config.engine_label)
+        self.admission_rejections: dict[str, int] = {}
+        self.registry = build_registry(
+            self.scheduler,
+            config.model_name,
+            config.engine_label,
+            config.dialect,
+            self.admission_rejections,
+        )
         self.created = int(time.time())
         self.fingerprint = f"vllm-{config.vllm_version}-sim"
         self.healthy = True
         self.in_flight = 0
+        self.ids_in_flight: set[str] = set()  # refused twice by vLLM 0.11 (vllm_contract.py)
 
     def start(self) -> None:
         if not self.engine.running:
@@ -62,6 +70,21 @@ class Simulator:
         while self.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(poll_s)
         await self.engine.stop()
+
+    def check_admission(self) -> None:
+        """vLLM's queue limits (`--max-num-queued-reqs`, `--max-num-queued-tokens`): raises
+        its queue-full 503 past them (vllm/v1/engine/async_llm.py, `check_admission`)."""
+        config, scheduler = self.config, self.scheduler
+        limit, tokens = config.max_num_queued_reqs, config.max_num_queued_tokens
+        if limit is not None and scheduler.unfinished + 1 > limit:
+            self._rejected("max_num_queued_reqs")
+            raise protocol.queue_full(tokens=False)
+        if tokens is not None and scheduler.queued_prompt_tokens >= tokens:
+            self._rejected("max_num_queued_tokens")
+            raise protocol.queue_full(tokens=True)
+
+    def _rejected(self, reason: str) -> None:
+        self.admission_rejections[reason] = self.admission_rejections.get(reason, 0) + 1
 
     def state(self) -> dict[str, Any]:
         stats = self.scheduler.stats
@@ -111,6 +134,15 @@ class CompletionEndpoint:
             await _send_body(send, error.status, error.body(), _id_headers(header_id))
             return
         headers = _id_headers(header_id)
+        sim = self.sim
+        if sim.config.dialect.refuses_duplicate_id and request.request_id in sim.ids_in_flight:
+            refused = protocol.duplicate_request_id(request.request_id)
+            if parsed.stream:  # vLLM 0.11 finds it once the stream has begun
+                await _stream_error(send, refused, headers)
+            else:
+                await _send_body(send, refused.status, refused.body(), headers)
+            return
+        sim.ids_in_flight.add(request.request_id)
         watcher = asyncio.get_running_loop().create_task(self._watch(receive, request))
         try:
             self.sim.engine.submit(request)
@@ -123,6 +155,7 @@ class CompletionEndpoint:
                 await self._answer_whole(send, request, meta, parsed.kind, headers)
         finally:
             watcher.cancel()
+            sim.ids_in_flight.discard(request.request_id)
             self.sim.engine.abort(request)  # no-op once finished
 
     def _admit(
@@ -131,9 +164,8 @@ class CompletionEndpoint:
         config = self.sim.config
         if parsed.model is not None and parsed.model != config.model_name:
             raise protocol.model_not_found(parsed.model, config.model_name)
-        max_tokens = protocol.check_request(
-            parsed, config.max_model_len, config.scheduling_policy == "priority"
-        )
+        max_tokens = protocol.check_request(parsed, config.max_model_len)
+        self.sim.check_admission()
         answer = _plan_answer(parsed, max_tokens)
         base_id = header_id or parsed.request_id or os.urandom(8).hex()
         request = SimRequest(
@@ -200,6 +232,20 @@ async def _stream(
         await send({"type": "http.response.body", "body": body, "more_body": not finished})
         if finished:
             return
+
+
+async def _stream_error(send: Send, error: ApiError, headers: list[tuple[bytes, bytes]]) -> None:
+    """A stream that fails before its first token, as vLLM writes one: an error event, then
+    `[DONE]` (vllm/entrypoints/openai/serving_chat.py of 0.11)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", SSE_TYPE), *headers],
+        }
+    )
+    body = b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _events(request: SimRequest, encoder: StreamEncoder, sent: int) -> tuple[bytes, int]:

@@ -38,6 +38,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from mineru_gateway.vllm_contract import DIALECTS, NEWEST_VERSION, SUPPORTED_VERSIONS, Dialect
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 DEFAULT_MODEL_NAME = "opendatalab/MinerU2.5-2509-1.2B"
@@ -62,9 +64,11 @@ class SimConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     enable_server_load_tracking: bool = False
     engine_label: str = "0"
-    vllm_version: str = "0.32.0"
+    vllm_version: str = NEWEST_VERSION
     shutdown_timeout: float = 0.0
     api_server_count: int = 1
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -86,6 +90,27 @@ class SimConfig:
             f"must hold max_model_len ({self.max_model_len})",
         )
         _require(self.scheduling_policy in ("fcfs", "priority"), "unknown scheduling_policy")
+        _require(
+            self.vllm_version in DIALECTS,
+            f"vllm_version must be one of {', '.join(SUPPORTED_VERSIONS)}",
+        )
+        dialect = self.dialect
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            limit = getattr(self, name)
+            _require(limit is None or limit >= 0, f"{name} must not be negative")
+            _require(
+                limit is None or dialect.queue_limits,
+                f"vLLM {self.vllm_version} has no --{name.replace('_', '-')}",
+            )
+        _require(
+            self.shutdown_timeout == 0 or dialect.shutdown_timeout,
+            f"vLLM {self.vllm_version} has no --shutdown-timeout (SIGTERM aborts at once)",
+        )
+
+    @property
+    def dialect(self) -> Dialect:
+        """What this vLLM version does differently (vllm_contract.py)."""
+        return DIALECTS[self.vllm_version]
 
     @property
     def kv_cache_blocks(self) -> int:
@@ -113,12 +138,17 @@ _HELP = {
     "scheduling_policy": "Waiting queue order: fcfs, or priority (vLLM's `priority` field).",
     "enable_server_load_tracking": "Serve GET /load like vLLM's flag of the same name.",
     "engine_label": "The `engine` label of the metrics.",
-    "vllm_version": "Version reported by /version and in system_fingerprint.",
+    "vllm_version": "The vLLM version whose dialect the simulator speaks (metric names, "
+    "duplicate request ids, queue limits, shutdown): one of " + ", ".join(SUPPORTED_VERSIONS) + ".",
     "shutdown_timeout": "On SIGTERM, seconds in-flight requests may still finish before they "
     "are aborted; 0 aborts them at once (vLLM's --shutdown-timeout, default 0).",
     "api_server_count": "Only changes what a filtered /metrics/?name[]=... read answers: with "
     "more than one API server, vLLM's multiprocess Prometheus registry knows no names, and the "
     "filtered page is empty (docs/vllm.md).",
+    "max_num_queued_reqs": "Refuse a request with vLLM's queue-full 503 when this many are "
+    "already waiting or running (vLLM 0.29 and later; 0 refuses every request).",
+    "max_num_queued_tokens": "Refuse a request with vLLM's 503 when the prompts still in prefill "
+    "hold this many tokens (vLLM 0.29 and later).",
 }
 
 
@@ -133,6 +163,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif field.name == "scheduling_policy":
             parser.add_argument(flag, choices=["fcfs", "priority"], help=help_text)
+        elif field.name == "vllm_version":
+            parser.add_argument(flag, choices=SUPPORTED_VERSIONS, help=help_text)
+        elif default is None:  # a limit that is off unless given
+            parser.add_argument(flag, type=int, help=help_text)
         else:
             parser.add_argument(flag, type=type(default), help=help_text)
 

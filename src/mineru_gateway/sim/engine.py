@@ -133,6 +133,18 @@ class Scheduler:
     def kv_usage(self) -> float:
         return 1.0 - self.free_blocks / self.total_blocks
 
+    @property
+    def unfinished(self) -> int:
+        """Requests waiting or running: what vLLM's `--max-num-queued-reqs` counts."""
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests still in prefill, whole (as vLLM counts them for
+        `--max-num-queued-tokens`)."""
+        queued = sum(r.prompt_tokens for r in self.waiting)
+        return queued + sum(r.prompt_tokens for r in self.running if r.computed < r.prompt_tokens)
+
     def add(self, request: SimRequest, now: float) -> None:
         request.arrival = now
         request.order = next(self._orders)

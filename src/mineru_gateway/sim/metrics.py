@@ -4,7 +4,7 @@ read from the engine when scraped, so steps and tokens cost no Prometheus calls.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
@@ -18,6 +18,7 @@ from prometheus_client.samples import Sample
 
 from mineru_gateway.sim.engine import Scheduler
 from mineru_gateway.sim.stats import Histogram
+from mineru_gateway.vllm_contract import DIALECTS, NEWEST_VERSION, Dialect
 
 LABELS = ["engine", "model_name"]
 
@@ -82,19 +83,57 @@ _HISTOGRAMS = (
 
 
 class EngineCollector(Collector):
-    """vLLM's `vllm:` series, computed from one scheduler at scrape time."""
+    """vLLM's `vllm:` series, computed from one scheduler at scrape time, named as the vLLM
+    version of `dialect` names them (vllm_contract.py)."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, engine: str) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_name: str,
+        engine: str,
+        dialect: Dialect = DIALECTS[NEWEST_VERSION],
+        rejections: Mapping[str, int] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.labels = [engine, model_name]
         self.created = time.time()
+        self.dialect = dialect
+        self.rejections = rejections if rejections is not None else {}
 
     def collect(self) -> Iterator[Metric]:
+        missing = self.dialect.missing_metrics
+        for family in self._families():
+            if family.name not in missing:
+                yield family
+
+    def _families(self) -> Iterator[Metric]:
         yield from self._gauges()
         yield from self._counters()
+        stats = self.scheduler.stats
         for name, attribute, documentation in _HISTOGRAMS:
-            yield self._histogram(name, documentation, getattr(self.scheduler.stats, attribute))
+            yield self._histogram(name, documentation, getattr(stats, attribute))
+        if "vllm:time_per_output_token_seconds" in self.dialect.extra_metrics:
+            yield self._histogram(
+                "time_per_output_token_seconds",
+                "Histogram of time per output token in seconds."
+                "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                stats.itl,
+            )
+        if self.dialect.admission_metric:
+            yield self._admission_rejections()
         yield self._cache_config()
+
+    def _admission_rejections(self) -> Metric:
+        family = CounterMetricFamily(
+            "vllm:admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            labels=["model_name", "reason"],
+        )
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            family.add_metric(
+                [self.labels[1], reason], self.rejections.get(reason, 0), created=self.created
+            )
+        return family
 
     def _gauges(self) -> Iterator[Metric]:
         scheduler = self.scheduler
@@ -206,7 +245,13 @@ class EngineCollector(Collector):
         return family
 
 
-def build_registry(scheduler: Scheduler, model_name: str, engine: str) -> CollectorRegistry:
+def build_registry(
+    scheduler: Scheduler,
+    model_name: str,
+    engine: str,
+    dialect: Dialect = DIALECTS[NEWEST_VERSION],
+    rejections: Mapping[str, int] | None = None,
+) -> CollectorRegistry:
     """A registry of this simulator's own, never the process-global one. It learns each
     collector's names when it is registered (`auto_describe`), so that a read filtered by name
     (`/metrics/?name[]=...`) finds them, as it finds vLLM's own metrics."""
@@ -214,5 +259,5 @@ def build_registry(scheduler: Scheduler, model_name: str, engine: str) -> Collec
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
-    registry.register(EngineCollector(scheduler, model_name, engine))
+    registry.register(EngineCollector(scheduler, model_name, engine, dialect, rejections))
     return registry

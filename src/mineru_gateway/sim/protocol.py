@@ -17,6 +17,7 @@ import orjson
 from mineru_gateway import prompts
 from mineru_gateway.prompts import PromptKind
 from mineru_gateway.sim import workload
+from mineru_gateway.vllm_contract import QUEUE_FULL_MESSAGES
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _SENTINEL = "@@sim-token-text@@"
@@ -40,6 +41,21 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
+
+
+def duplicate_request_id(request_id: str) -> ApiError:
+    """vLLM 0.11's answer to a request whose id is already in flight
+    (vllm/v1/engine/output_processor.py, `add_request`)."""
+    return bad_request(f"Request id {request_id} already running.")
+
+
+def queue_full(tokens: bool) -> ApiError:
+    """vLLM's answer past `--max-num-queued-reqs` (or, `tokens`, `--max-num-queued-tokens`):
+    vllm/exceptions.py, typed with the status's phrase (vllm_contract.py)."""
+    message = QUEUE_FULL_MESSAGES[1 if tokens else 0].decode()
+    return ApiError(
+        503, f"{message} Please try again later or on a different instance.", "Service Unavailable"
+    )
 
 
 def validation_error(loc: str, kind: str, msg: str, value: object) -> ApiError:
@@ -237,8 +253,10 @@ def _completion_prompt(prompt: object) -> tuple[int, list[str], list[str]]:
     )
 
 
-def check_request(request: ParsedRequest, max_model_len: int, priority_enabled: bool) -> int:
-    """vLLM's checks on lengths and sampling parameters; returns the effective max_tokens."""
+def check_request(request: ParsedRequest, max_model_len: int) -> int:
+    """vLLM's checks on lengths and sampling parameters; returns the effective max_tokens.
+    A non-zero `priority` passes under every scheduling policy: V1's `fcfs` ignores it, whatever
+    the field's description says (docs/vllm.md, "Priorities")."""
     max_tokens = request.max_tokens
     if max_tokens is not None and max_tokens > max_model_len:
         raise bad_request(
@@ -248,7 +266,7 @@ def check_request(request: ParsedRequest, max_model_len: int, priority_enabled: 
         )
     _check_prompt_fits(request.prompt_tokens, max_tokens, max_model_len)
     effective = max_tokens if max_tokens is not None else max_model_len - request.prompt_tokens
-    _check_sampling(request, effective, priority_enabled)
+    _check_sampling(request, effective)
     return effective
 
 
@@ -271,7 +289,7 @@ def _check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len
         )
 
 
-def _check_sampling(request: ParsedRequest, max_tokens: int, priority_enabled: bool) -> None:
+def _check_sampling(request: ParsedRequest, max_tokens: int) -> None:
     if max_tokens < 1:
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
     if request.min_tokens < 0:
@@ -285,10 +303,6 @@ def _check_sampling(request: ParsedRequest, max_tokens: int, priority_enabled: b
         )
     if request.n != 1:
         raise bad_request(f"The simulator answers n=1 only, got n={request.n}.", "n")
-    if request.priority != 0 and not priority_enabled:
-        raise bad_request(
-            f"Got priority {request.priority} but Priority scheduling is not enabled."
-        )
 
 
 @dataclass(frozen=True, slots=True)

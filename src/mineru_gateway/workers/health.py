@@ -24,9 +24,9 @@ import structlog
 
 from mineru_gateway.errors import GatewayError, UpstreamTimeout
 from mineru_gateway.metrics import GatewayMetrics
+from mineru_gateway.vllm_contract import LOAD_PATH
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.vllm_metrics import LOAD_PATH
 from mineru_gateway.workers.worker import Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.registry")

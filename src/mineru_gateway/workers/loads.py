@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from mineru_gateway.errors import GatewayError, UpstreamStatusError
+from mineru_gateway.vllm_contract import FULL_PATH, VllmLoad, parse_vllm_load
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.vllm_metrics import FULL_PATH, VllmLoad, parse_vllm_load
 from mineru_gateway.workers.worker import Reading, Scrape, Shared, Worker
 
 log = structlog.get_logger("mineru_gateway.registry")

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
+from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH, VllmLoad
 from mineru_gateway.workers.group_load import WorkerColumn
 from mineru_gateway.workers.upstream import KEEPALIVE_S
-from mineru_gateway.workers.vllm_metrics import FULL_PATH, LOAD_PATH, VllmLoad
 
 # A worker's connection from this process counts as kept alive (`WorkerView.warm`) for this
 # long after its last request here ended: the pool's keep-alive, less a margin for the request

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mineru_gateway.workers.vllm_metrics import VllmLoad, parse_vllm_load
+from mineru_gateway.vllm_contract import VllmLoad, parse_vllm_load
 from tests.conftest import FIXTURES
 
 
