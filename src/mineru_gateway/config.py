@@ -328,6 +328,14 @@ class GatewaySettings(BaseSettings):
         description="Consecutive failures (5xx, dropped connections) that take a worker out of "
         "routing until its next good health check; a refused connection ejects at once.",
     )
+    busy_hold_s: float = Field(
+        1.0,
+        gt=0,
+        description="A worker that refuses a request because its own vLLM queue is full "
+        "(--max-num-queued-reqs or --max-num-queued-tokens: a 503) takes no requests for this "
+        "long; the request goes to another worker or waits in the gateway's queue, and the "
+        "worker is never ejected for it.",
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,
@@ -428,8 +436,9 @@ class GatewaySettings(BaseSettings):
     pass_priority: bool = Field(
         False,
         description="Forward each request's effective priority to the workers (start them with "
-        "vLLM's --scheduling-policy priority). Off: the gateway orders by priority itself and "
-        "removes the field, which vLLM's default fcfs policy rejects when non-zero.",
+        "vLLM's --scheduling-policy priority; its default fcfs ignores the field). Off: the "
+        "gateway orders by priority itself and removes a non-zero one, so that a client's own "
+        "priority never reorders a worker's queue past the gateway's fair share.",
     )
     priority_header: str = Field(
         "x-priority", description="Header a client may set its priority in (lower first)."

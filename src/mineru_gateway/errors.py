@@ -26,7 +26,9 @@
         │                                  client may be given: 101, or outside 200-599)
         ├── UpstreamTimeout           504  upstream_error / upstream_timeout
         └── NoHealthyWorker           503  service_unavailable / no_healthy_worker
-            └── ShuttingDown          503  service_unavailable / shutting_down (draining)
+            ├── ShuttingDown          503  service_unavailable / shutting_down (draining)
+            └── WorkersBusy           503  service_unavailable / workers_busy (every worker's
+                                           own queue is full, without flow control's queue)
 
 Each row reads status, `type` / `code`: `type` is the broad class a client can switch on (OpenAI's
 SDKs map the status to an exception), `code` the specific reason. Bodies follow OpenAI:
@@ -180,6 +182,13 @@ class NoHealthyWorker(UpstreamError):
 
 class ShuttingDown(NoHealthyWorker):
     code = "shutting_down"
+
+
+class WorkersBusy(NoHealthyWorker):
+    """Every worker that serves the model refused the request because its own queue is full,
+    and flow control is off, so there is no gateway queue to wait in."""
+
+    code = "workers_busy"
 
 
 class UpstreamConnectError(UpstreamError):

@@ -84,7 +84,7 @@ class RoomPolicy:
         return view.in_flight + (0.0 if reported is None else reported.external)
 
     def has_room(self, view: WorkerView) -> bool:
-        if not view.healthy:
+        if not view.healthy or view.held:
             return False
         reported = view.reported
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:

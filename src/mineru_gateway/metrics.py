@@ -270,6 +270,14 @@ class GatewayMetrics:
             ("worker", "reason"),
         )
     )
+    worker_queue_full: Counter = field(
+        default_factory=lambda: Counter(
+            "mineru_gateway_worker_queue_full",
+            "Requests a worker refused because its own vLLM queue was full (503); each went to "
+            "another worker or back to the gateway's queue.",
+            ("worker",),
+        )
+    )
     queue_wait: Histogram = field(
         default_factory=lambda: Histogram(
             "mineru_gateway_queue_wait_seconds",
@@ -350,7 +358,7 @@ class GatewayMetrics:
 
     def __post_init__(self) -> None:
         for metric in self.own():
-            if "worker" in metric.labels and metric is not self.ejections:
+            if "worker" in metric.labels and metric not in (self.ejections, self.worker_queue_full):
                 metric.workers = self.worker_labels
 
     def own(self) -> Iterable[Counter | Histogram]:
@@ -365,6 +373,7 @@ class GatewayMetrics:
             self.routing_decisions,
             self.retries,
             self.ejections,
+            self.worker_queue_full,
             self.queue_wait,
             self.rejections,
             self.tenant_requests,

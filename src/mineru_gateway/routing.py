@@ -74,6 +74,9 @@ class WorkerView:
     # policy takes such a worker, so a request need not open a connection first
     # (docs/operate/fleet-scale.md, "Connections").
     warm: bool = False
+    # The worker refused a request lately because its own queue was full (vLLM's queue-full
+    # 503): it takes no more until the hold ends (workers/health.py), and is never ejected for it.
+    held: bool = False
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models

@@ -284,7 +284,7 @@ def test_the_images_defaults_agree_with_the_compose_file(compose: dict[str, Any]
     assert f"ARG VLLM_ASCEND_IMAGE={VLLM_ASCEND_IMAGE}\n" in dockerfile
     env = image_env(DOCKER_DIR / "Dockerfile.worker")
     assert [(name, env[name]) for name, _ in TUNING_DEFAULTS] == list(TUNING_DEFAULTS)
-    assert 'ARG MINERU_VL_UTILS="mineru-vl-utils>=1.2,<2"' in dockerfile  # vllm 0.11 in range
+    assert 'ARG MINERU_VL_UTILS="mineru-vl-utils>=2.0.5,<3"' in dockerfile  # test_worker_image.py
     for name in ("Dockerfile.worker", "Dockerfile.gateway"):
         text = (DOCKER_DIR / name).read_text()
         assert "ARG PIP_INDEX_URL=" in text

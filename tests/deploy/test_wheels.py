@@ -20,8 +20,10 @@ from packaging.utils import canonicalize_name
 from tests.deploy.support import ROOT
 
 PLATFORMS = ("manylinux2014_aarch64", "manylinux2014_x86_64")
-# The images' Python (python:3.11-slim, vLLM-Ascend's images: a current 3.11 release, as the one
-# constraints.txt was resolved with) on Linux.
+# The images' Pythons: the gateway image's python:3.11-slim (constraints.txt was resolved with a
+# current 3.11), and the worker image's, where the launcher's virtualenv uses vLLM-Ascend's
+# Python: 3.12 on v0.23.0 (docs/facts/worker-image.md).
+PYTHONS = ("3.11", "3.12")
 TARGET = default_environment() | {
     "python_version": "3.11",
     "python_full_version": "3.11.7",
@@ -39,17 +41,22 @@ def pins() -> dict[str, str]:
     return {canonicalize_name(name): version for name, version in _PIN.findall(text)}
 
 
-def applies(requirement: Requirement, extras: set[str]) -> bool:
+def target(python: str = "3.11") -> dict[str, str]:
+    return TARGET | {"python_version": python, "python_full_version": f"{python}.0"}
+
+
+def applies(requirement: Requirement, extras: set[str], python: str = "3.11") -> bool:
     """Whether `requirement` is needed on the images' Linux with these extras of its parent."""
     marker = requirement.marker
-    return marker is None or any(marker.evaluate(TARGET | {"extra": e}) for e in {"", *extras})
+    env = target(python)
+    return marker is None or any(marker.evaluate(env | {"extra": e}) for e in {"", *extras})
 
 
-def runtime_closure() -> dict[str, str]:
+def runtime_closure(python: str = "3.11") -> dict[str, str]:
     """pyproject's [project.dependencies] and what they need on Linux, with their pins: the
     installed environment's metadata gives each one's own requirements."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    todo = [r for r in map(Requirement, project["dependencies"]) if applies(r, set())]
+    todo = [r for r in map(Requirement, project["dependencies"]) if applies(r, set(), python)]
     seen: dict[str, set[str]] = {}
     while todo:
         requirement = todo.pop()
@@ -58,7 +65,8 @@ def runtime_closure() -> dict[str, str]:
             continue
         extras = seen.setdefault(name, set())
         extras |= requirement.extras
-        todo += [r for r in map(Requirement, metadata.requires(name) or ()) if applies(r, extras)]
+        requires = map(Requirement, metadata.requires(name) or ())
+        todo += [r for r in requires if applies(r, extras, python)]
     pinned = pins()
     missing = sorted(set(seen) - set(pinned))
     assert not missing, f"runtime dependencies without a pin in constraints.txt: {missing}"
@@ -74,14 +82,17 @@ def test_the_closure_holds_the_declared_dependencies_and_theirs() -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("python", PYTHONS)
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_every_runtime_dependency_has_a_binary_wheel(tmp_path: Path, platform: str) -> None:
-    closure = runtime_closure()
+def test_every_runtime_dependency_has_a_binary_wheel(
+    tmp_path: Path, platform: str, python: str
+) -> None:
+    closure = runtime_closure(python)
     result = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check"),
             *("--only-binary=:all:", "--no-deps", "--platform", platform),
-            *("--python-version", "3.11", "--implementation", "cp", "-d", str(tmp_path)),
+            *("--python-version", python, "--implementation", "cp", "-d", str(tmp_path)),
             *(f"{name}=={version}" for name, version in closure.items()),
         ],
         capture_output=True,

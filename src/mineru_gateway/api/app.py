@@ -150,6 +150,7 @@ def build_registry(
             timeout_s=settings.health_timeout_s,
             eject_after=settings.eject_after,
             slow_probes_to_eject=settings.slow_probes_to_eject,
+            busy_hold_s=settings.busy_hold_s,
         ),
         load_interval_s=settings.load_interval_s,
         load=load_model,

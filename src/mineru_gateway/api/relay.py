@@ -57,7 +57,9 @@ from mineru_gateway.errors import (
     UpstreamTimeout,
 )
 from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.vllm_contract import is_queue_full, upstream_request_id
 from mineru_gateway.workers.dispatcher import Admission
+from mineru_gateway.workers.health import BUSY
 from mineru_gateway.workers.registry import SUCCESS, Lease, Outcome
 from mineru_gateway.workers.upstream import UpstreamResponse
 
@@ -282,6 +284,11 @@ class _Retry(Exception):
         self.error = error
 
 
+class _QueueFull(Exception):
+    """The worker refused the request because its own queue is full (vllm_contract.py): not a
+    failure of the worker; the request goes elsewhere or waits (Dispatcher.bounce)."""
+
+
 class Relay:
     """ASGI endpoint relaying one OpenAI endpoint to a chosen worker."""
 
@@ -375,13 +382,21 @@ class Relay:
         if exchange.trace is not None:
             exchange.trace.queue_ended(grant.lease.worker.url)
         tried: list[str] = []
+        attempts = 0
         try:
             while True:
+                attempts += 1
                 tried.append(grant.lease.worker.url)
-                exchange.worker, exchange.attempts = tried[-1], len(tried)
+                exchange.worker, exchange.attempts = tried[-1], attempts
+                headers["X-Request-Id"] = self._ids.attempt(exchange.request_id)
                 try:
                     await self._attempt(context, grant.lease, request, headers, exchange)
                     return
+                except _QueueFull:
+                    # Busy, not failed: neither a retry nor a tried worker; held back a moment.
+                    tried.pop()
+                    hold_s = context.registry.health.busy_hold_s
+                    grant = await context.dispatcher.bounce(grant, admission, hold_s)
                 except _Retry as failure:
                     if len(tried) > context.settings.max_retries:
                         raise failure.error from None
@@ -421,6 +436,9 @@ class Relay:
                 upstream.close()
             if upstream.status >= 500:
                 outcome = Outcome.failed("status_5xx", f"answered {upstream.status}")
+        except _QueueFull:
+            outcome = BUSY
+            raise
         except (UpstreamTimeout, asyncio.CancelledError):
             # A slow worker is alive (another would not be faster); a client that went away
             # says nothing about the worker.
@@ -480,6 +498,8 @@ async def _relay_response(
         body = await upstream.read()
         if upstream.status == 200:
             exchange.usage = _body_usage(body)
+        elif is_queue_full(upstream.status, body):
+            raise _QueueFull
         await exchange.respond(upstream.status, upstream.content_type, body)
 
 
@@ -585,6 +605,11 @@ class RequestIds:
         if given and len(given) <= 128:
             return given.decode("latin-1")
         return f"{self._prefix}{next(self._count):016x}"
+
+    def attempt(self, request_id: str) -> str:
+        """The id one attempt sends a worker: unique even when clients reuse ids, or the same
+        request goes to a worker twice (vllm_contract.py, `upstream_request_id`)."""
+        return upstream_request_id(request_id, f"{self._prefix[:8]}{next(self._count):x}")
 
 
 def _content_length(headers: dict[bytes, bytes]) -> int | None:

@@ -131,7 +131,8 @@ def header_priority(value: bytes | None) -> int | None:
 
 def forward_priority(request: ParsedRequest, priority: int, pass_priority: bool) -> ParsedRequest:
     """The request as workers get it: with the effective `priority` when they schedule by it
-    (`pass_priority`), else without a non-zero one, which vLLM's default fcfs policy rejects.
+    (`pass_priority`), else without a non-zero one, so that only the gateway's order reaches a
+    worker that schedules by priority (vLLM's default fcfs ignores the field: docs/vllm.md).
     The body is rewritten only when it must change (page images make bodies megabytes)."""
     wanted = priority if pass_priority and priority != 0 else None
     current = request.priority if request.priority != 0 else None

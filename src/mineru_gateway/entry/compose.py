@@ -35,7 +35,7 @@ EXPORTER_PORT = 8083
 # cannot read it.
 METRICS_PORT = 9464
 # The base image MinerU's own NPU Dockerfile uses; what it carries: docs/vllm-ascend.md.
-VLLM_ASCEND_IMAGE = "quay.io/ascend/vllm-ascend:v0.11.0"
+VLLM_ASCEND_IMAGE = "quay.io/ascend/vllm-ascend:v0.23.0"
 # docs/vllm-ascend.md: vLLM-Ascend's tuning guide. The worker image sets the same defaults.
 TUNING_DEFAULTS = (("TASK_QUEUE_ENABLE", "2"), ("CPU_AFFINITY_CONF", "1"))
 NPU_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")

@@ -84,7 +84,12 @@ class RequestTrace:
 
     def attempt_started(self, worker: str, number: int, headers: dict[str, str]) -> dict[str, str]:
         """`headers` for the worker with this attempt's span as their traceparent."""
-        attributes: dict[str, AttributeValue] = {"mineru.worker": worker, "mineru.attempt": number}
+        attributes: dict[str, AttributeValue] = {
+            "mineru.worker": worker,
+            "mineru.attempt": number,
+            # The id the worker knows this attempt by (vLLM's logs), the client's with a suffix.
+            "mineru.upstream_request_id": headers.get("X-Request-Id", ""),
+        }
         span = _tracer.start_span("upstream attempt", self._context, SpanKind.CLIENT, attributes)
         self._attempt = span
         forwarded = dict(headers)

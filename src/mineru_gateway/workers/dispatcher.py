@@ -30,7 +30,13 @@ import time
 from collections.abc import Callable
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.errors import GatewayError, NoHealthyWorker, Overloaded, ShuttingDown
+from mineru_gateway.errors import (
+    GatewayError,
+    NoHealthyWorker,
+    Overloaded,
+    ShuttingDown,
+    WorkersBusy,
+)
 from mineru_gateway.fleet.slots import FleetSlots, Permit
 from mineru_gateway.fleet.tenants import FleetTenants
 from mineru_gateway.flow import (
@@ -316,6 +322,29 @@ class Dispatcher:
             return self._grant(
                 grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
             )
+
+    async def bounce(self, grant: Grant, admission: Admission, retry_after_s: float) -> Grant:
+        """Another place for a request whose worker refused it because its own queue is full
+        (that worker is held back, health.py): at once on a worker with room, else back in the
+        queue, where it waits under its usual limits. Without flow control there is no queue:
+        raises WorkersBusy when no worker has room."""
+        with self.coordination.deciding():
+            offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
+            if offer.roomy:
+                worker = self.registry.choose_among(offer.views)
+                permit, grant.permit = grant.permit, None  # the request keeps its slot
+                grant.release()
+                return self._grant(
+                    grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
+                )
+        grant.release()
+        if not self.enabled:
+            raise WorkersBusy(
+                "every worker's own queue is full; retry later", retry_after_s=retry_after_s
+            )
+        again = await self.acquire(admission)
+        again.queued_s += grant.queued_s
+        return again
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Grant]) -> None:
         """The waiter went away (its client disconnected): leave the queue at once, or give

@@ -45,10 +45,11 @@ class RoomCheck(Protocol):
 
 
 class NoRoomCheck:
-    """Every routable worker has room: routing without flow control."""
+    """Every routable worker has room but one held back for a full queue: routing without flow
+    control."""
 
     def has_room(self, view: WorkerView) -> bool:
-        return view.healthy
+        return view.healthy and not view.held
 
 
 ANY_ROOM = NoRoomCheck()

@@ -44,6 +44,7 @@ class HealthPolicy:
     timeout_s: float = 2.0  # one probe: /health, then /v1/models
     eject_after: int = 3  # consecutive passive failures (5xx, dropped connections)
     slow_probes_to_eject: int = 3  # consecutive probes that only timed out
+    busy_hold_s: float = 1.0  # a worker that answered vLLM's queue-full 503 takes nothing this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class Outcome:
     failure: str | None = None  # a reason label (connect_error, status_5xx, ...); None: fine
     detail: str = ""
     eject_now: bool = False  # a refused connection: no need to count
+    busy: bool = False  # alive, but its own queue is full (vLLM's queue-full 503)
 
     @classmethod
     def failed(cls, reason: str, detail: str, *, eject_now: bool = False) -> Outcome:
@@ -60,6 +62,10 @@ class Outcome:
 
 
 SUCCESS = Outcome()
+# A worker refusing work because vLLM's own queue is full (--max-num-queued-reqs or -tokens) is
+# alive and answering: it is held back briefly and never ejected for it (docs/vllm.md, "A full
+# engine queue").
+BUSY = Outcome(detail="its own queue is full", busy=True)
 
 
 class Health:
@@ -83,6 +89,8 @@ class Health:
         stream) counts towards ejection; `eject_now` ejects without counting."""
         if outcome.failure is None:
             worker.failures = 0
+            if outcome.busy:
+                self._hold(worker)
             return
         worker.failures += 1
         worker.last_error = outcome.detail
@@ -93,6 +101,26 @@ class Health:
             log.warning(
                 "worker_ejected", worker=worker.url, reason=outcome.failure, error=outcome.detail
             )
+
+    def _hold(self, worker: Worker) -> None:
+        """Gives `worker` no requests for `busy_hold_s`: they go to workers with room, or wait
+        in the gateway's queue, which is served again when the hold ends."""
+        self._metrics.worker_queue_full.inc(worker.url)
+        now = time.monotonic()
+        was_held = now < worker.held_until
+        worker.held_until = now + self.policy.busy_hold_s
+        self._membership.mark(worker)
+        if not was_held:
+            loop = asyncio.get_running_loop()
+            loop.call_at(loop.time() + self.policy.busy_hold_s, self._unhold, worker)
+
+    def _unhold(self, worker: Worker) -> None:
+        now = time.monotonic()
+        if now < worker.held_until:  # held again meanwhile: wait for that hold to end
+            loop = asyncio.get_running_loop()
+            loop.call_at(loop.time() + worker.held_until - now, self._unhold, worker)
+            return
+        self._membership.changed(worker)  # placed again, and the queue is served
 
     # -- active ----------------------------------------------------------------------------
     async def probe(self, worker: Worker, now: float) -> None:

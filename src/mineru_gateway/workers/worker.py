@@ -75,6 +75,9 @@ class Worker:
     last_checked: float | None = None
     failures: int = 0  # consecutive passive failures
     slow_probes: int = 0  # consecutive health probes that timed out
+    # Until when (time.monotonic) the worker takes no requests: it answered vLLM's queue-full
+    # 503 (health.py, `Health.report`).
+    held_until: float = 0.0
     scrape: Scrape | None = None
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
@@ -163,12 +166,14 @@ class Worker:
         scrape, built, routable = self.scrape, self._view, self.routable
         in_flight, cost = self.gateway_load()
         warm = now - self.released_at < WARM_S
+        held = now < self.held_until
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
             if (
                 same_models
                 and view.warm == warm
+                and view.held == held
                 and view.in_flight == in_flight
                 and view.own_cost == cost
                 and view.healthy == routable
@@ -196,7 +201,10 @@ class Worker:
             slowness=slowness,
             batch_limit=batch_limit,
             warm=warm,
+            held=held,
         )
+        if held:
+            until = min(until, self.held_until)  # built again once the hold is over
         self._view = _BuiltView(view, scrape, self.models, until)
         return view
 
@@ -220,6 +228,8 @@ class Worker:
             "batch_seen": self.batch_seen or None,
             # "filtered": the few series routing needs; "whole": the whole page (read_load)
             "load_read": "whole" if self.load_path == FULL_PATH else "filtered",
+            # Seconds left of a hold after vLLM's queue-full 503 (0: not held).
+            "held_s": round(max(0.0, self.held_until - time.monotonic()), 3),
             "last_error": self.last_error,
             "last_checked": self.last_checked,
         }
