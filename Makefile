@@ -13,7 +13,7 @@ ARGS ?=
 .PHONY: install check-python lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
-	bench-flow-vllm mineru-vl-utils \
+	bench-flow-vllm mineru-vl-utils mineru-clients \
 	bench-mineru-client bench-soak bench-cache bench-fleet vllm-router wrk-nginx clean
 
 NO_PYTHON = $(if $(PYTHON),PYTHON=$(PYTHON) is not,none of python3.11-python3.14 or python3 is)
@@ -82,7 +82,13 @@ lint: install
 typecheck: install
 	$(BIN)/mypy src
 
-test: lint typecheck system-deps vllm
+## MinerU 3's and MinerU 4's clients (mineru-vl-utils 1.2.1 and 2.0.7), each in its own
+## virtualenv under ~/.cache/mineru-gateway: tests/test_mineru_clients.py runs both.
+mineru-clients: install
+	$(BIN)/python -m benchmarks.mineru_client.client_venv --version 1.2.1
+	$(BIN)/python -m benchmarks.mineru_client.client_venv --version 2.0.7
+
+test: lint typecheck system-deps vllm mineru-clients
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 		$(BIN)/pytest --cov --cov-report=term $(PYTEST_ARGS)
 

@@ -187,3 +187,16 @@ def test_the_readme_starts_with_what_a_user_does_first() -> None:
     first = "\n".join(lines[:100])
     for step in ("make run", "docker compose up", "dashboard"):
         assert step in first, f"{step!r} is not within the README's first 100 lines"
+
+
+def test_weights_are_fetched_with_commands_that_exist_today() -> None:
+    """huggingface_hub 1.0 has `hf download`, not `huggingface-cli`."""
+    stale = [_relative(path) for path in DOCUMENTS if "huggingface-cli" in path.read_text()]
+    assert not stale, stale
+
+
+def test_the_readme_shows_minerus_4_and_3_ways_in() -> None:
+    text = (ROOT / "README.md").read_text()
+    for way in ("MINERU_MODEL_VLM_SERVER_URL", "mineru parse", "mineru-api --vlm-server-url"):
+        assert way in text, way
+    assert "-b vlm-http-client -u" in text  # MinerU 3

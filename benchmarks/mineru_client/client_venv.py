@@ -6,6 +6,10 @@ aiofiles, pillow, pydantic, loguru, tqdm. torch, transformers and vLLM are only 
 torch, vllm or transformers came along and stops with an error if one did.
 
     python -m benchmarks.mineru_client.client_venv        # create or reuse, print its python
+    python -m benchmarks.mineru_client.client_venv --version 1.2.1   # MinerU 3's client
+
+MinerU 4 (4.0.x) requires mineru-vl-utils>=2.0.5,<3; MinerU 3 used the 1.2.x releases
+(docs/mineru-client.md). `CLIENTS` names the release of each that the tests run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 VERSION = "2.0.7"
 PACKAGE = f"mineru-vl-utils=={VERSION}"
+CLIENTS = {"MinerU 3": "1.2.1", "MinerU 4": VERSION}
 PYTHON = os.environ.get("PYTHON", "python3.11")
 CACHE = Path(os.environ.get("MINERU_CACHE", Path.home() / ".cache" / "mineru-gateway"))
 DEFAULT_VENV = Path(os.environ.get("MINERU_VL_UTILS_VENV", CACHE / f"mineru-vl-utils-{VERSION}"))
@@ -25,8 +30,14 @@ HEAVY = ("torch", "vllm", "transformers", "nvidia-cudnn-cu12", "triton")
 MARKER = ".installed"
 
 
-def ensure(venv: Path = DEFAULT_VENV, quiet: bool = True) -> Path:
-    """The venv's python, with `mineru-vl-utils==VERSION` installed (created if missing)."""
+def venv_for(version: str) -> Path:
+    """Where the client of `version` is installed by default."""
+    return DEFAULT_VENV if version == VERSION else CACHE / f"mineru-vl-utils-{version}"
+
+
+def ensure(venv: Path = DEFAULT_VENV, quiet: bool = True, version: str = VERSION) -> Path:
+    """The venv's python, with `mineru-vl-utils==version` installed (created if missing)."""
+    package = f"mineru-vl-utils=={version}"
     python = venv / "bin" / "python"
     if (venv / MARKER).exists() and python.exists():
         return python
@@ -34,7 +45,7 @@ def ensure(venv: Path = DEFAULT_VENV, quiet: bool = True) -> Path:
         subprocess.run([PYTHON, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", *(["--quiet"] if quiet else [])]
     subprocess.run([*pip, "install", "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "install", PACKAGE], check=True)
+    subprocess.run([*pip, "install", package], check=True)
     installed = subprocess.run(
         [str(python), "-m", "pip", "list", "--format=freeze"],
         check=True,
@@ -44,16 +55,17 @@ def ensure(venv: Path = DEFAULT_VENV, quiet: bool = True) -> Path:
     names = {line.split("==")[0] for line in installed.splitlines()}
     heavy = sorted(name for name in HEAVY if name in names)
     if heavy:
-        raise SystemExit(f"{venv}: {PACKAGE} pulled in {', '.join(heavy)}; stopping")
+        raise SystemExit(f"{venv}: {package} pulled in {', '.join(heavy)}; stopping")
     (venv / MARKER).write_text(installed)
     return python
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument("--version", default=VERSION, help="mineru-vl-utils release")
+    parser.add_argument("--venv", type=Path, help="default: one per release in the cache")
     args = parser.parse_args(argv)
-    print(ensure(args.venv, quiet=False))
+    print(ensure(args.venv or venv_for(args.version), quiet=False, version=args.version))
     return 0
 
 

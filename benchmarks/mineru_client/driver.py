@@ -176,9 +176,11 @@ async def run_windows(
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     observer = install_observer()
     images = [make_page(i, args.seed) for i in range(args.pages)]
+    headers = dict(header.split("=", 1) for header in args.server_header)
     client = MinerUClient(
         backend="http-client",
         server_url=args.url,
+        server_headers=headers or None,
         max_concurrency=args.max_concurrency,
         max_retries=args.max_retries,
         use_tqdm=False,
@@ -191,7 +193,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         else:
             pages = await run_windows(client, images, semaphore, t0, args.window)
     finally:
-        await client.aclose()
+        close = getattr(client, "aclose", None)  # 2.x; the 1.2 releases have none
+        if close is not None:
+            await close()
     wall = time.perf_counter() - t0
     for page in pages:
         seen = observer.per_page.get(page["page"])
@@ -231,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=100)
     parser.add_argument("--max-retries", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--server-header",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a header on every request (the client's server_headers, as MinerU 4 sends its key)",
+    )
     args = parser.parse_args(argv)
     report = asyncio.run(main_async(args))
     json.dump(report, sys.stdout)

@@ -54,6 +54,8 @@ class Simulator:
         self.healthy = True
         self.in_flight = 0
         self.ids_in_flight: set[str] = set()  # refused twice by vLLM 0.11 (vllm_contract.py)
+        # Every `vllm_xargs` key requests carried: what a logits processor would be handed.
+        self.xargs_seen: set[str] = set()
 
     def start(self) -> None:
         if not self.engine.running:
@@ -103,6 +105,7 @@ class Simulator:
             "speed": self.scheduler.speed,
             "time_scale": self.engine.time_scale,
             "healthy": self.healthy,
+            "vllm_xargs_seen": sorted(self.xargs_seen),
         }
 
 
@@ -135,6 +138,7 @@ class CompletionEndpoint:
             return
         headers = _id_headers(header_id)
         sim = self.sim
+        sim.xargs_seen |= parsed.xargs_keys
         if sim.config.dialect.refuses_duplicate_id and request.request_id in sim.ids_in_flight:
             refused = protocol.duplicate_request_id(request.request_id)
             if parsed.stream:  # vLLM 0.11 finds it once the stream has begun

@@ -92,6 +92,7 @@ class ParsedRequest:
     n: int
     request_id: str | None
     forced_output_tokens: int | None
+    xargs_keys: frozenset[str] = frozenset()  # what `vllm_xargs` carried: logits processors' input
 
 
 def parse_request(raw: bytes, chat: bool, seed: int) -> ParsedRequest:
@@ -120,6 +121,7 @@ def parse_request(raw: bytes, chat: bool, seed: int) -> ParsedRequest:
         n=_int_field(body, "n", 1),
         request_id=_field(body, "request_id", str),
         forced_output_tokens=_forced_output_tokens(body),
+        xargs_keys=frozenset(_field(body, "vllm_xargs", dict) or ()),
     )
 
 
