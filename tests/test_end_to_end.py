@@ -17,7 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mineru_gateway.testing import start_vllm_server, vllm_paths_from_env, wait_until
-from mineru_gateway.vllm_contract import LOAD_PATH, LOAD_SERIES, parse_vllm_load
+from mineru_gateway.vllm_contract import (
+    IMAGE_VERSION,
+    LOAD_PATH,
+    LOAD_SERIES,
+    NEWEST_VERSION,
+    parse_vllm_load,
+)
 from tests.conftest import StartGateway, StartSim
 
 CHAT = "/v1/chat/completions"
@@ -41,13 +47,21 @@ def real_vllm() -> Iterator[Backend]:
         server.stop()
 
 
-@pytest.fixture(params=["sim", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(
+    params=[
+        f"sim-{NEWEST_VERSION}",
+        f"sim-{IMAGE_VERSION}",  # the worker image's vLLM
+        pytest.param("vllm", marks=pytest.mark.vllm),
+    ]
+)
 def backend(request: pytest.FixtureRequest, start_sim: StartSim) -> Backend:
     if request.param == "vllm":
         real: Backend = request.getfixturevalue("real_vllm")
         return real
+    version = request.param.removeprefix("sim-")
     # Real 910B pace (time_scale 1): a long generation then outlasts the abort deadline below.
-    return Backend("sim", start_sim(model_name="tiny", time_scale=1.0), "tiny")
+    url = start_sim(model_name="tiny", time_scale=1.0, vllm_version=version)
+    return Backend("sim", url, "tiny")
 
 
 @pytest.fixture
