@@ -14,7 +14,7 @@ ARGS ?=
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
 	bench-flow-vllm mineru-vl-utils mineru-clients \
-	bench-mineru-client bench-soak bench-cache bench-fleet vllm-router wrk-nginx clean
+	bench-mineru-client bench-soak bench-cache bench-fleet bench-queue-full vllm-router wrk-nginx clean
 
 NO_PYTHON = $(if $(PYTHON),PYTHON=$(PYTHON) is not,none of python3.11-python3.14 or python3 is)
 check-python:
@@ -249,6 +249,11 @@ bench-processes-routing: install
 ## (about 12 minutes). Results: benchmarks/results/soak.{json,md}.
 bench-soak: install
 	$(BIN)/python -m benchmarks.soak --out benchmarks/results/soak.json
+
+## Workers whose own vLLM queue is full (--max-num-queued-reqs), through the gateway, against
+## workers with room (about 2 minutes). Results: benchmarks/results/queue_full.{json,md}.
+bench-queue-full: install
+	$(BIN)/python -m benchmarks.queue_full --out benchmarks/results/queue_full.json
 
 ## Coalescing and the result cache on simulated workers, memory and Redis (about 4 minutes;
 ## Debian's redis-server). Results: benchmarks/results/cache.{json,md}.

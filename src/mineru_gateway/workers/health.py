@@ -44,7 +44,7 @@ class HealthPolicy:
     timeout_s: float = 2.0  # one probe: /health, then /v1/models
     eject_after: int = 3  # consecutive passive failures (5xx, dropped connections)
     slow_probes_to_eject: int = 3  # consecutive probes that only timed out
-    busy_hold_s: float = 1.0  # a worker that answered vLLM's queue-full 503 takes nothing this long
+    busy_hold_s: float = 1.0  # after a queue-full 503 the worker takes one more this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +63,8 @@ class Outcome:
 
 SUCCESS = Outcome()
 # A worker refusing work because vLLM's own queue is full (--max-num-queued-reqs or -tokens) is
-# alive and answering: it is held back briefly and never ejected for it (docs/vllm.md, "A full
-# engine queue").
+# alive and answering: it is held back and never ejected for it (docs/vllm.md, "A full engine
+# queue").
 BUSY = Outcome(detail="its own queue is full", busy=True)
 
 
@@ -103,24 +103,27 @@ class Health:
             )
 
     def _hold(self, worker: Worker) -> None:
-        """Gives `worker` no requests for `busy_hold_s`: they go to workers with room, or wait
-        in the gateway's queue, which is served again when the hold ends."""
+        """After vLLM's queue-full 503, `worker` gets no more of this gateway's requests than
+        it held when it refused, one more every `busy_hold_s` without another refusal
+        (`Worker.queue_limit`): the rest go to workers with room, or wait in the gateway's
+        queue, which is served again as the limit grows or a request on the worker ends."""
         self._metrics.worker_queue_full.inc(worker.url)
         now = time.monotonic()
-        was_held = now < worker.held_until
-        worker.held_until = now + self.policy.busy_hold_s
+        growing = worker.queue_limit(now)[0] is not None
+        worker.refused(now, self.policy.busy_hold_s)
         self._membership.mark(worker)
-        if not was_held:
-            loop = asyncio.get_running_loop()
-            loop.call_at(loop.time() + self.policy.busy_hold_s, self._unhold, worker)
+        if not growing:
+            self._grow_later(worker, now)
 
-    def _unhold(self, worker: Worker) -> None:
-        now = time.monotonic()
-        if now < worker.held_until:  # held again meanwhile: wait for that hold to end
+    def _grow_later(self, worker: Worker, now: float) -> None:
+        limit, grows_at = worker.queue_limit(now)
+        if limit is not None:
             loop = asyncio.get_running_loop()
-            loop.call_at(loop.time() + worker.held_until - now, self._unhold, worker)
-            return
-        self._membership.changed(worker)  # placed again, and the queue is served
+            loop.call_at(loop.time() + grows_at - now, self._grown, worker)
+
+    def _grown(self, worker: Worker) -> None:
+        self._membership.changed(worker)  # placed again with its new limit; the queue is served
+        self._grow_later(worker, time.monotonic())
 
     # -- active ----------------------------------------------------------------------------
     async def probe(self, worker: Worker, now: float) -> None:

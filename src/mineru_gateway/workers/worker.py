@@ -24,6 +24,9 @@ from mineru_gateway.workers.upstream import KEEPALIVE_S
 # long after its last request here ended: the pool's keep-alive, less a margin for the request
 # about to be sent.
 WARM_S = KEEPALIVE_S - 0.5
+# A limit learnt from a queue-full 503 grows by one request a step and lapses after this many
+# steps without another refusal (docs/vllm.md, "A full engine queue").
+LIMIT_STEPS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +78,12 @@ class Worker:
     last_checked: float | None = None
     failures: int = 0  # consecutive passive failures
     slow_probes: int = 0  # consecutive health probes that timed out
-    # Until when (time.monotonic) the worker takes no requests: it answered vLLM's queue-full
-    # 503 (health.py, `Health.report`).
-    held_until: float = 0.0
+    # vLLM's queue was full (its 503, health.py): the worker takes no more of this gateway's
+    # requests than it held then, one more for every `limit_step_s` without another refusal,
+    # until the limit lapses (`queue_limit`).
+    refused_at: float | None = None
+    limit_at_refusal: int = 0
+    limit_step_s: float = 1.0
     scrape: Scrape | None = None
     itl_s: float | None = None  # smoothed mean inter-token latency the worker reports
     batch_seen: int = 0  # most requests seen running while others waited: its batch size
@@ -166,7 +172,8 @@ class Worker:
         scrape, built, routable = self.scrape, self._view, self.routable
         in_flight, cost = self.gateway_load()
         warm = now - self.released_at < WARM_S
-        held = now < self.held_until
+        limit, limit_until = self.queue_limit(now)
+        held = limit is not None and in_flight >= limit
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
             same_models = built.models is self.models
@@ -203,10 +210,29 @@ class Worker:
             warm=warm,
             held=held,
         )
-        if held:
-            until = min(until, self.held_until)  # built again once the hold is over
+        if limit is not None:
+            until = min(until, limit_until)  # built again when the limit grows
         self._view = _BuiltView(view, scrape, self.models, until)
         return view
+
+    def refused(self, now: float, step_s: float) -> None:
+        """vLLM refused a request because its queue was full: it holds what it has of ours
+        (the refused request's own lease aside) and no more, for now."""
+        self.refused_at = now
+        self.limit_at_refusal = max(0, self.in_flight - 1)
+        self.limit_step_s = step_s
+
+    def queue_limit(self, now: float) -> tuple[int | None, float]:
+        """How many of this gateway's requests the worker takes after a refusal (None: no
+        limit learnt, or it lapsed after LIMIT_STEPS steps), and when that grows next."""
+        if self.refused_at is None:
+            return None, math.inf
+        steps = int((now - self.refused_at) / self.limit_step_s)
+        if steps > LIMIT_STEPS:
+            self.refused_at = None  # lapsed
+            return None, math.inf
+        grows_at = self.refused_at + (steps + 1) * self.limit_step_s
+        return self.limit_at_refusal + steps, grows_at
 
     def describe(self, now: float) -> dict[str, Any]:
         reported = self.reported(now)
@@ -228,8 +254,8 @@ class Worker:
             "batch_seen": self.batch_seen or None,
             # "filtered": the few series routing needs; "whole": the whole page (read_load)
             "load_read": "whole" if self.load_path == FULL_PATH else "filtered",
-            # Seconds left of a hold after vLLM's queue-full 503 (0: not held).
-            "held_s": round(max(0.0, self.held_until - time.monotonic()), 3),
+            # Requests of this gateway it takes, learnt from vLLM's queue-full 503 (None: any).
+            "queue_limit": self.queue_limit(time.monotonic())[0],
             "last_error": self.last_error,
             "last_checked": self.last_checked,
         }
