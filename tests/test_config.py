@@ -136,6 +136,7 @@ def cgroup_files(tmp_path: Path, v2: str | None, v1: str | None) -> tuple[Path, 
         (None, "9223372036854771712\n", 9223372036854771712),  # v1 without a limit
         ("max\n", "1073741824\n", None),  # v2 answers first
         (None, None, None),  # neither: not in a cgroup this can read
+        ("", None, None),  # unreadable as a number: no limit known
     ],
 )
 def test_the_memory_limit_is_read_from_cgroup_v2_then_v1(

@@ -47,7 +47,7 @@ DEFAULT_MAX_QUEUED_BYTES = 2048 * MIB
 # unlimited v1 group reads as a huge number). Without MAX_QUEUED_BYTES the queue may hold a
 # quarter of that limit, shared by the gateway's processes, so that a queue full of page images
 # is answered 429 long before the container is killed for its memory
-# (docs/deploy/kubernetes.md, "Memory").
+# (docs/deploy/kubernetes.md, "Memory and the gateway's queue").
 CGROUP_MEMORY_LIMIT_FILES = (
     Path("/sys/fs/cgroup/memory.max"),
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
@@ -63,7 +63,7 @@ def memory_limit(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | N
             text = path.read_text().strip()
         except OSError:
             continue
-        return None if text == "max" else int(text)
+        return int(text) if text.isdigit() else None  # `max`: no limit
     return None
 
 
