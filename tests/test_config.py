@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pydantic
 import pytest
 
-from mineru_gateway.config import DEFAULT_PORT, GatewaySettings
+from mineru_gateway.config import (
+    DEFAULT_MAX_QUEUED_BYTES,
+    DEFAULT_PORT,
+    MIB,
+    GatewaySettings,
+    default_max_queued_bytes,
+    memory_limit,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -106,3 +114,60 @@ def test_settings_are_frozen() -> None:
     settings = GatewaySettings()
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         settings.port = 1  # type: ignore[misc]
+
+
+def cgroup_files(tmp_path: Path, v2: str | None, v1: str | None) -> tuple[Path, Path]:
+    """cgroup v2's memory.max and v1's memory.limit_in_bytes under `tmp_path`, each written
+    only when given."""
+    files = (tmp_path / "memory.max", tmp_path / "memory" / "memory.limit_in_bytes")
+    for path, text in zip(files, (v2, v1), strict=True):
+        if text is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return files
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "limit"),
+    [
+        ("2147483648\n", None, 2048 * MIB),  # cgroup v2, a 2 GiB pod limit
+        ("max\n", None, None),  # cgroup v2, no limit
+        (None, "1073741824\n", 1024 * MIB),  # cgroup v1
+        (None, "9223372036854771712\n", 9223372036854771712),  # v1 without a limit
+        ("max\n", "1073741824\n", None),  # v2 answers first
+        (None, None, None),  # neither: not in a cgroup this can read
+        ("", None, None),  # unreadable as a number: no limit known
+    ],
+)
+def test_the_memory_limit_is_read_from_cgroup_v2_then_v1(
+    tmp_path: Path, v2: str | None, v1: str | None, limit: int | None
+) -> None:
+    assert memory_limit(cgroup_files(tmp_path, v2, v1)) == limit
+
+
+@pytest.mark.parametrize(
+    ("limit", "processes", "queued"),
+    [
+        (2048 * MIB, 1, 512 * MIB),  # the gateway pod's limit: a quarter of it
+        (2048 * MIB, 2, 256 * MIB),  # each process queues on its own
+        (64 * 1024 * MIB, 1, DEFAULT_MAX_QUEUED_BYTES),  # a large limit: the default
+        (None, 4, DEFAULT_MAX_QUEUED_BYTES),  # no limit: the default
+    ],
+)
+def test_queued_bytes_default_to_a_quarter_of_the_memory_limit(
+    tmp_path: Path, limit: int | None, processes: int, queued: int
+) -> None:
+    files = cgroup_files(tmp_path, "max" if limit is None else str(limit), None)
+    assert default_max_queued_bytes(processes, files) == queued
+
+
+def test_queued_bytes_come_from_this_containers_limit_unless_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert GatewaySettings().max_queued_bytes == default_max_queued_bytes()
+    assert GatewaySettings(processes=3).max_queued_bytes == default_max_queued_bytes(3)
+    monkeypatch.setenv("MINERU_GATEWAY_PROCESSES", "2")
+    assert GatewaySettings().max_queued_bytes == default_max_queued_bytes(2)
+    monkeypatch.setenv("MINERU_GATEWAY_MAX_QUEUED_BYTES", "12345")
+    assert GatewaySettings().max_queued_bytes == 12345
+    assert GatewaySettings(max_queued_bytes=7).max_queued_bytes == 7

@@ -185,7 +185,8 @@ def test_the_readme_starts_with_what_a_user_does_first() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 220, "the README is a front page: details belong in docs/"
     first = "\n".join(lines[:100])
-    for step in ("make run", "docker compose up", "dashboard"):
+    steps = ("make run", "docker compose up", "dashboard", "kubectl apply -k deploy/k8s/ ")
+    for step in steps:
         assert step in first, f"{step!r} is not within the README's first 100 lines"
 
 
@@ -200,3 +201,109 @@ def test_the_readme_shows_minerus_4_and_3_ways_in() -> None:
     for way in ("MINERU_MODEL_VLM_SERVER_URL", "mineru parse", "mineru-api --vlm-server-url"):
         assert way in text, way
     assert "-b vlm-http-client -u" in text  # MinerU 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands as an operator pastes them: on a Compose host nothing of this project is installed,
+# and once keys are set every /v1/ endpoint wants one.
+
+HEADING = re.compile(r"^#{1,6} ")
+FENCE = re.compile(r"^\s*```")
+COMPOSE = re.compile(r"docker[ -]compose(?![\w.])")  # not docker-compose.yml
+IN_A_CONTAINER = re.compile(
+    r"docker[ -]compose (?:exec|run)\b|\bdocker run\b|\bkubectl\b.*\bexec\b"
+)
+RUNS_THE_GATEWAY = re.compile(
+    r"(?:^|[;&|(]|\$\()\s*(?:[\w./~-]*/)?mineru-gateway (?:" + "|".join(SUBCOMMANDS) + r")\b"
+)
+CURL_URL = re.compile(r"\bcurl\b.*?(https?://([^/\s:'\"]+)[^\s'\"]*)")
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+SENDS_A_KEY = re.compile(r"authorization: bearer \S+", re.I)
+LOCAL_KEYLESS = re.compile(r"make run|mineru-gateway up\b")
+
+
+def sections(text: str) -> list[tuple[str, str, list[str]]]:
+    """(heading, the section's whole text, its fenced code lines with continuations joined)."""
+    found: list[tuple[str, list[str], list[str]]] = [("", [], [])]
+    fenced: list[str] | None = None
+    for line in text.splitlines():
+        if FENCE.match(line):
+            if fenced is None:
+                fenced = []
+            else:
+                joined = "\n".join(fenced).replace("\\\n", " ")
+                found[-1][2].extend(joined.splitlines())
+                fenced = None
+        elif fenced is not None:
+            fenced.append(line)
+        elif HEADING.match(line):
+            found.append((line, [], []))
+        found[-1][1].append(line)
+    return [(heading, "\n".join(lines), code) for heading, lines, code in found]
+
+
+def gateway_commands_on_the_compose_host(text: str) -> list[str]:
+    """Code lines of sections about Compose that run `mineru-gateway` outside a container."""
+    return [
+        line
+        for _, section, code in sections(text)
+        if COMPOSE.search(section)
+        for line in code
+        if RUNS_THE_GATEWAY.search(line) and not IN_A_CONTAINER.search(line)
+    ]
+
+
+def keyless_curls(text: str) -> list[str]:
+    """Code lines that curl a key-guarded path without a key, but for a keyless local run's."""
+    found = []
+    for _, section, code in sections(text):
+        for line in code:
+            match = CURL_URL.search(line)
+            if match is None or SENDS_A_KEY.search(line):
+                continue
+            url, host = match.groups()
+            path = "/" + url.split("/", 3)[3] if url.count("/") >= 3 else "/"
+            if not path.startswith("/v1/") or path.startswith(OPEN_PATHS):
+                continue
+            if host in ("127.0.0.1", "localhost") and LOCAL_KEYLESS.search(section):
+                continue  # `make run`, `up`: no keys, on the loopback only
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=_relative)
+def test_no_document_runs_the_gateway_on_the_compose_host(path: Path) -> None:
+    found = gateway_commands_on_the_compose_host(path.read_text())
+    assert not found, f"{_relative(path)}: use `docker compose exec|run ... gateway`: {found}"
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=_relative)
+def test_every_curl_to_a_guarded_endpoint_sends_a_key(path: Path) -> None:
+    found = keyless_curls(path.read_text())
+    assert not found, f"{_relative(path)}: curl without `Authorization: Bearer`: {found}"
+
+
+def test_the_operator_command_checks_can_fail() -> None:
+    compose = (
+        "## Compose\n\nWith docker compose:\n\n```sh\n"
+        "mineru-gateway compose --npus 0-3\n"
+        ".venv/bin/mineru-gateway workers list\n"
+        "docker compose exec gateway mineru-gateway workers list\n"
+        "docker compose run --rm --no-deps gateway \\\n  mineru-gateway compose --dir /repo\n"
+        "# mineru-gateway compose, in a comment line of a block\n"
+        "```\n\n## Elsewhere\n\n```sh\nmineru-gateway serve --workers http://w:1\n```\n"
+    )
+    assert gateway_commands_on_the_compose_host(compose) == [
+        "mineru-gateway compose --npus 0-3",
+        ".venv/bin/mineru-gateway workers list",
+    ]
+    curls = (
+        "## Deployed\n\n```sh\ncurl -s http://HOST:30000/v1/workers\n"
+        'curl -s -H "Authorization: Bearer $KEY" http://HOST:30000/v1/models\n'
+        "curl -s http://127.0.0.1:30000/ready\ncurl -s http://127.0.0.1:30000/v1/models\n```\n"
+        "\n## Local\n\n`make run`, then:\n\n```sh\ncurl -s http://127.0.0.1:30000/v1/models\n```\n"
+    )
+    assert keyless_curls(curls) == [
+        "curl -s http://HOST:30000/v1/workers",
+        "curl -s http://127.0.0.1:30000/v1/models",
+    ]

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from mineru_gateway.routing import RoutingPolicyName
@@ -34,6 +42,41 @@ DEFAULT_WORKER_BASE_PORT = 30001  # the gateway keeps 30000, the port MinerU's c
 DEFAULT_HCCL_BASE_PORT = 61000
 HCCL_PORT_STRIDE = 64
 HCCL_MAX_BASE_PORT = 65520  # CANN's documented upper bound for HCCL_IF_BASE_PORT
+DEFAULT_MAX_QUEUED_BYTES = 2048 * MIB
+# Where the kernel states the container's memory limit: cgroup v2's file, then cgroup v1's (an
+# unlimited v1 group reads as a huge number). Without MAX_QUEUED_BYTES the queue may hold a
+# quarter of that limit, shared by the gateway's processes, so that a queue full of page images
+# is answered 429 long before the container is killed for its memory
+# (docs/deploy/kubernetes.md, "Memory and the gateway's queue").
+CGROUP_MEMORY_LIMIT_FILES = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+QUEUED_SHARE_OF_MEMORY_LIMIT = 4  # the queue's bytes: at most a quarter of the memory limit
+
+
+def memory_limit(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | None:
+    """The container's memory limit in bytes from the first of `files` that exists; None
+    when it has none (`max`) or no file says."""
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else None  # `max`: no limit
+    return None
+
+
+def default_max_queued_bytes(
+    processes: int = 1, files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES
+) -> int:
+    """MAX_QUEUED_BYTES when it is not set: a quarter of the memory limit, divided among the
+    processes (each holds a queue of its own), at most DEFAULT_MAX_QUEUED_BYTES."""
+    limit = memory_limit(files)
+    if limit is None:
+        return DEFAULT_MAX_QUEUED_BYTES
+    share = limit // QUEUED_SHARE_OF_MEMORY_LIMIT // max(processes, 1)
+    return min(DEFAULT_MAX_QUEUED_BYTES, share)
 
 
 def _split_csv(value: Any) -> Any:
@@ -405,7 +448,11 @@ class GatewaySettings(BaseSettings):
         "tenant holding most of the queue gets 429.",
     )
     max_queued_bytes: int = Field(
-        2048 * MIB, ge=0, description="Request bytes the gateway queues in all (page images)."
+        DEFAULT_MAX_QUEUED_BYTES,
+        ge=0,
+        description="Request bytes each gateway process queues in all (page images). Unset: "
+        "a quarter of the container's cgroup memory limit divided among the processes, at most "
+        "this default (docs/deploy/kubernetes.md).",
     )
     max_queue_wait_s: float = Field(
         300.0,
@@ -559,6 +606,15 @@ class GatewaySettings(BaseSettings):
     )(_split_csv)
     _tenants_json = field_validator("tenants", mode="before")(_json_object)
     _credentials: Credentials = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _queued_bytes_within_memory(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("max_queued_bytes") is not None:
+            return data
+        processes = str(data.get("processes", 1)).strip()
+        count = int(processes) if processes.isdigit() else 1  # a bad value fails validation
+        return {**data, "max_queued_bytes": default_max_queued_bytes(count)}
 
     def model_post_init(self, context: Any) -> None:
         self._credentials = read_credentials(self)

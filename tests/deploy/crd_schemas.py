@@ -1,4 +1,5 @@
-"""JSON schemas for the Prometheus Operator resources in deploy/k8s/monitoring/operator/.
+"""JSON schemas for the Prometheus Operator resources in deploy/k8s/monitoring/operator/, and
+for the Gateway API HTTPRoute of deploy/k8s/examples/httproute.yaml.
 
 kubernetes-validate knows Kubernetes' own kinds only. These are the parts of the operator's CRDs
 (monitoring.coreos.com/v1 PodMonitor and PrometheusRule, as in prometheus-operator's
@@ -131,3 +132,80 @@ PROMETHEUS_RULE = _resource(
 )
 
 SCHEMAS = {"PodMonitor": POD_MONITOR, "PrometheusRule": PROMETHEUS_RULE}
+
+# Gateway API's HTTPRoute (gateway.networking.k8s.io/v1, standard channel, `timeouts` since 1.2):
+# the fields the example uses, from the CRD's schema, strict in the same way.
+_GATEWAY_DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
+_PARENT_REF = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "group": {"type": "string"},
+        "kind": {"type": "string"},
+        "namespace": {"type": "string"},
+        "name": {"type": "string"},
+        "sectionName": {"type": "string"},
+        "port": {"type": "integer"},
+    },
+}
+_PATH_MATCH = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "type": {"enum": ["Exact", "PathPrefix", "RegularExpression"]},
+        "value": {"type": "string", "maxLength": 1024},
+    },
+}
+_BACKEND_REF = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "group": {"type": "string"},
+        "kind": {"type": "string"},
+        "name": {"type": "string"},
+        "namespace": {"type": "string"},
+        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "weight": {"type": "integer", "minimum": 0},
+    },
+}
+_HTTP_ROUTE_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matches": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"path": _PATH_MATCH},
+            },
+        },
+        "backendRefs": {"type": "array", "items": _BACKEND_REF},
+        "timeouts": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"request": _GATEWAY_DURATION, "backendRequest": _GATEWAY_DURATION},
+        },
+    },
+}
+HTTP_ROUTE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
+        "kind": {"const": "HTTPRoute"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "parentRefs": {"type": "array", "items": _PARENT_REF},
+                "hostnames": {"type": "array", "items": {"type": "string"}},
+                "rules": {"type": "array", "maxItems": 16, "items": _HTTP_ROUTE_RULE},
+            },
+        },
+    },
+}

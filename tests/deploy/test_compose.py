@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -336,3 +337,99 @@ def test_worker_entrypoint_runs_its_command_in_the_same_process(tmp_path: Path) 
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert out.strip() == str(proc.pid)  # exec all the way: vLLM will get the signals
+
+
+# ---------------------------------------------------------------------------------------------
+# Operator commands as the docs give them: in the gateway's container, never on the host
+
+COMPOSE_DOCS = (
+    ROOT / "docs" / "deploy" / "compose.md",
+    ROOT / "docs" / "operate" / "rolling-restarts.md",
+)
+_FENCED = re.compile(r"```sh\n(.*?)```", re.S)
+_VALUED = {"-v", "--volume", "-e", "--env", "-u", "--user", "-w", "--workdir", "--entrypoint"}
+
+
+def documented_compose_commands(verb: str) -> list[list[str]]:
+    """Every `docker compose VERB ...` of the Compose docs' shell blocks, split as sh splits it
+    (continuations joined, comments dropped)."""
+    found = []
+    for path in COMPOSE_DOCS:
+        for block in _FENCED.findall(path.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.startswith(f"docker compose {verb} "):
+                    found.append(shlex.split(line, comments=True))
+    return found
+
+
+def split_compose_command(argv: list[str]) -> tuple[list[tuple[str, str]], str, list[str]]:
+    """`docker compose VERB [options] SERVICE COMMAND...` -> (options, service, command)."""
+    options, rest = [], argv[3:]
+    while rest[0].startswith("-"):
+        option = rest.pop(0)
+        options.append((option, rest.pop(0) if option in _VALUED else ""))
+    return options, rest[0], rest[1:]
+
+
+def compose_v1_options(verb: str) -> str:
+    """`docker-compose VERB --help`: Compose v1 takes fewer options than v2, so what it knows
+    works with both."""
+    tool = shutil.which("docker-compose")
+    assert tool, "docker-compose is not installed: run `make system-deps`"
+    return subprocess.run(
+        [tool, verb, "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+
+@pytest.mark.parametrize("verb", ["run", "exec"])
+def test_documented_commands_run_mineru_gateway_in_the_gateway_service(
+    compose: dict[str, Any], verb: str
+) -> None:
+    commands = documented_compose_commands(verb)
+    assert any(command[4:] and "mineru-gateway" in command for command in commands)
+    known = compose_v1_options(verb)
+    for argv in commands:
+        options, service, command = split_compose_command(argv)
+        for option, _ in options:
+            assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", known), option
+        if command[:1] != ["mineru-gateway"]:
+            continue
+        assert service == "gateway"
+        assert compose["services"][service]["build"]["dockerfile"] == (
+            "deploy/docker/Dockerfile.gateway"
+        )
+        build_parser().parse_args(command[1:])  # the image's own command takes these words
+
+
+def test_the_documented_compose_run_rewrites_the_mounted_checkout(tmp_path: Path) -> None:
+    [argv] = [c for c in documented_compose_commands("run") if "compose" in c[5:]]
+    options, _, command = split_compose_command(argv)
+    assert ("--rm", "") in options and ("--no-deps", "") in options  # no worker starts
+    assert ("--user", "$(id -u):$(id -g)") in options  # files stay the host user's
+    [volume] = [value for option, value in options if option == "-v"]
+    source, target = volume.split(":")
+    assert source == "$PWD"
+    args = build_parser().parse_args(command[1:])
+    assert (args.command, args.dir) == ("compose", Path(target))
+    # The checkout as the container sees it at `target`: here, tmp_path.
+    (tmp_path / ".env").write_text("NPUS=0-3\n")
+    assert main([*command[1:-1], str(tmp_path)]) == 0
+    for path, text in rendered_files((0, 1, 2, 3)).items():
+        assert (tmp_path / path).read_text() == text
+
+
+def test_the_documented_keys_are_the_first_of_dot_env(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("API_KEYS=sk-a,sk-b\nADMIN_KEYS=sk-admin-1,sk-admin-2\n")
+    lines = {
+        line.split("=", 1)[0]: line.split("#")[0].strip()
+        for path in COMPOSE_DOCS
+        for block in _FENCED.findall(path.read_text())
+        for line in block.splitlines()
+        if re.match(r"(ADMIN_)?KEY=\$\(sed ", line)
+    }
+    assert set(lines) == {"KEY", "ADMIN_KEY"}
+    script = "\n".join([*lines.values(), 'echo "$KEY $ADMIN_KEY"'])
+    printed = subprocess.run(
+        ["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True
+    )
+    assert printed.stdout.split() == ["sk-a", "sk-admin-1"]
