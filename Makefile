@@ -12,7 +12,7 @@ ARGS ?=
 
 .PHONY: install check-python lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
-	bench-routing bench-routing-vllm bench-replicas bench-processes-routing bench-flow bench-flow-processes \
+	bench-routing bench-routing-vllm bench-replicas bench-one-process bench-flow \
 	bench-flow-vllm mineru-vl-utils mineru-clients \
 	bench-mineru-client bench-soak bench-cache bench-fleet bench-queue-full vllm-router wrk-nginx clean
 
@@ -111,17 +111,6 @@ bench-flow: install
 	$(BIN)/python -m benchmarks.flow --scenario single
 	$(BIN)/python -m benchmarks.flow --scenario report
 
-## The flood on one small worker through one gateway process and through two (`serve --processes`):
-## B's wait with A's batch queued in both processes (about 9 minutes). benchmarks/results/.
-FLOW_PROCESSES_ARGS = --scenario flood --set modes=flow_control --set workers=1 \
-	--set concurrency=200 --set alone_s=30 --set batch_s=90 --set capacity_warmup_s=10 \
-	--set capacity_window_s=20 --set b_rate=2 --gateway-arg=--batch-limit=16 --no-plots
-bench-flow-processes: install
-	$(BIN)/python -m benchmarks.flow $(FLOW_PROCESSES_ARGS) --gateway-arg=--processes \
-		--gateway-arg=1 --out benchmarks/results/flow_processes_1.json
-	$(BIN)/python -m benchmarks.flow $(FLOW_PROCESSES_ARGS) --gateway-arg=--processes \
-		--gateway-arg=2 --out benchmarks/results/flow_processes_2.json
-
 ## The flood on two real vLLM workers (CPU, small model; about 7 minutes).
 bench-flow-vllm: install small-model
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m benchmarks.flow --scenario vllm \
@@ -174,9 +163,8 @@ wrk-nginx:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -qq --no-install-recommends nginx wrk >/dev/null; }
 
-## Small non-streaming requests: requests per proxy CPU-second for the gateway (one and two
-## processes), vllm-router, nginx and bare Python relays
-## (about 4 minutes; Debian's nginx and wrk).
+## Small non-streaming requests: requests per proxy CPU-second for the gateway, vllm-router,
+## nginx and bare Python relays (about 4 minutes; Debian's nginx and wrk).
 ## `--profile` adds a py-spy profile (pip install py-spy). Results: benchmarks/results/small_requests.*
 bench-small-requests: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests \
@@ -189,14 +177,14 @@ bench-page-images: install vllm-router wrk-nginx
 		--image-kb 300 --rounds 3 --out benchmarks/results/small_requests_image.json
 
 ## CPU per relayed token event against vllm-router and nginx, upstreams streaming 64 events per
-## answer at vLLM's pace (every stream's next event every 2 ms): 64 streams, then 256 (saturated;
-## with `--processes 2` too). About 5 minutes. Results: benchmarks/results/streamed_events*.*
+## answer at vLLM's pace (every stream's next event every 2 ms): 64 streams, then 256
+## (saturated). About 5 minutes. Results: benchmarks/results/streamed_events*.*
 bench-streamed-events: install vllm-router wrk-nginx
 	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx \
 		--stream-events 64 --event-gap-ms 2 --connections 64 \
 		--rounds 3 \
 		--out benchmarks/results/streamed_events.json
-	$(BIN)/python -m benchmarks.small_requests --proxies gateway,gateway-processes,vllm-router,nginx \
+	$(BIN)/python -m benchmarks.small_requests --proxies gateway,vllm-router,nginx \
 		--stream-events 64 --event-gap-ms 2 --connections 256 \
 		--rounds 3 \
 		--out benchmarks/results/streamed_events_saturated.json
@@ -232,17 +220,16 @@ bench-thirdparty: install
 bench-replicas: install
 	$(BIN)/python -m benchmarks.replicas --out benchmarks/results/replicas.json
 
-## What a fleet of 8 to 1,024 (fake) workers costs one gateway replica at rest and per request,
-## with 1 and 4 processes (about 10 minutes). Results: benchmarks/results/fleet.*
+## What a fleet of 8 to 1,024 (fake) workers costs one gateway replica at rest and per request
+## (about 5 minutes). Results: benchmarks/results/fleet.*
 bench-fleet: install
 	$(BIN)/python -m benchmarks.fleet --out benchmarks/results/fleet.json
 
-## One gateway of 2 processes (`serve --processes 2`) against one of one, direct traffic
-## (about 12 minutes). Results: benchmarks/results/replicas_processes.*
-bench-processes-routing: install
-	$(BIN)/python -m benchmarks.replicas --scenarios c \
-		--configurations one_gateway,one_gateway_2_processes --fractions 0.85,1.0,1.15 \
-		--out benchmarks/results/replicas_processes.json
+## Whether one gateway process carries an 8-NPU Atlas box: its CPU under MinerU's requests at
+## the box's request rates and at saturation (about 3 minutes). Results: benchmarks/results/one_process.*
+bench-one-process: install
+	$(BIN)/python -m benchmarks.one_process --rates 190,550,1110,0 --duration 15 --rounds 2 \
+		--out benchmarks/results/one_process.json
 
 ## Ten minutes of mixed load with a fault every 50 s (workers killed, frozen, failing; slow,
 ## idle and vanishing clients): requests lost, the gateway's RSS and descriptors at start and end

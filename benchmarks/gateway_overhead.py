@@ -43,7 +43,6 @@ from mineru_gateway.testing import free_port, tree_cpu_seconds, wait_http_ok
 CHAT = "/v1/chat/completions"
 PROXIES = (
     "gateway",
-    "gateway-processes",
     "gateway-baseline",
     "bare-proxy",
     "naive-httpx",
@@ -192,16 +191,12 @@ class Fleet:
         sim_args: list[str],
         gateway_args: list[str],
         baseline_src: Path | None = None,
-        processes: int = 0,
         vllm_router: str = "",
     ) -> None:
         self.baseline_src = baseline_src
         self.vllm_router = vllm_router
         self.router_url = ""
         self.router_pid = 0
-        self.processes_count = processes
-        self.multi_url = ""
-        self.multi_pid = 0
         self.baseline_url = ""
         self.baseline_pid = 0
         self.worker_urls: list[str] = []
@@ -240,13 +235,6 @@ class Fleet:
         self.gateway_pid = self._spawn(args).pid
         self.gateway_url = f"http://127.0.0.1:{port}"
         wait_http_ok(self.gateway_url + "/ready", READY_TIMEOUT_S)
-        if self.processes_count > 1:
-            port = free_port()
-            args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
-            args += ["--processes", str(self.processes_count)]
-            self.multi_pid = self._spawn(args).pid
-            self.multi_url = f"http://127.0.0.1:{port}"
-            wait_http_ok(self.multi_url + "/ready", READY_TIMEOUT_S)
         if self.baseline_src is not None:
             port = free_port()
             args = ["serve", "--port", str(port), "--workers", workers, *self.gateway_args]
@@ -279,7 +267,6 @@ class Fleet:
             "naive-httpx": self.naive_pid,
             "bare-proxy": self.bare_pid,
             "gateway-baseline": self.baseline_pid,
-            "gateway-processes": self.multi_pid,
             "vllm-router": self.router_pid,
         }.get(mode, self.gateway_pid)
 
@@ -315,7 +302,6 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> list[RunResult]:
             "direct": fleet.worker_urls,
             "gateway": [fleet.gateway_url],
             "gateway-baseline": [fleet.baseline_url],
-            "gateway-processes": [fleet.multi_url],
             "naive-httpx": [fleet.naive_url],
             "bare-proxy": [fleet.bare_url],
             "vllm-router": [fleet.router_url],
@@ -450,15 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="a checkout whose gateway runs as mode gateway-baseline (added to --modes)",
     )
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=0,
-        help="also run `serve --processes N` as mode gateway-processes (added to --modes)",
-    )
     args = parser.parse_args(argv)
-    if args.processes > 1 and "gateway-processes" not in args.modes:
-        args.modes.append("gateway-processes")
     if args.baseline_src is not None and "gateway-baseline" not in args.modes:
         args.modes.append("gateway-baseline")
     return args
@@ -473,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         router = find_vllm_router()
         if not router:
             raise SystemExit("mode vllm-router needs the vllm-router binary: make vllm-router")
-    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src, args.processes, router)
+    fleet = Fleet(args.workers, sim_args, gateway_args, args.baseline_src, router)
     fleet.start()
     try:
         import uvloop

@@ -4,8 +4,7 @@ and per read of the gateway's load series only (`LOAD_PATH`, `/metrics/?name[]=.
 over `--reads` sequential reads of each, on an idle engine (issue 16).
 
 The gateway reads every worker's load each `load_interval_s` (0.2 s), filtered where vLLM can
-filter (vllm_contract.py); with `serve --processes N` the first process reads for all
-(siblings.py), so the cost does not grow with N.
+filter (vllm_contract.py).
 
     python -m benchmarks.scrape_cost --out benchmarks/results/scrape_cost.json
 

@@ -19,14 +19,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic.fields import FieldInfo
 
 from mineru_gateway.api.app import build_context, register_metrics
 from mineru_gateway.config import GatewaySettings, LauncherSettings, TenantConfig
-from mineru_gateway.siblings import merge_expositions
 from mineru_gateway.telemetry import NpuSmiSource, NpuTelemetry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,8 +92,8 @@ def configuration_markdown() -> str:
 
 Every gateway setting is an environment variable `MINERU_GATEWAY_<NAME>` and a flag `--<name>`
 (underscores as dashes) of `mineru-gateway serve` and `mineru-gateway up`; a flag wins over the
-variable. `up` starts the workers itself, so it takes no `--workers` and no `--processes`. Lists
-are comma-separated. `mineru-gateway serve --help` prints the same table.
+variable. `up` starts the workers itself, so it takes no `--workers`. Lists are
+comma-separated. `mineru-gateway serve --help` prints the same table.
 
 ## Gateway settings
 
@@ -134,12 +131,7 @@ def gateway_families() -> list[Metric]:
     )
     context = build_context(settings)
     register_metrics(context, NpuTelemetry(NpuSmiSource("npu-smi")))
-    families = list(context.metrics_registry.collect())
-    # With `serve --processes N` one scrape merges every process's; the merge adds its own.
-    exposition = generate_latest(context.metrics_registry).decode()
-    known = {family.name for family in families}
-    merged = text_string_to_metric_families(merge_expositions([exposition]).decode())
-    return families + [family for family in merged if family.name not in known]
+    return list(context.metrics_registry.collect())
 
 
 def _exposed_name(family: Metric) -> str:

@@ -56,16 +56,6 @@ def test_invalid_settings_exit_2_with_a_message(capsys: pytest.CaptureFixture[st
     assert "worker URL must start with http" in capsys.readouterr().err
 
 
-def test_up_runs_one_gateway_process_and_says_so(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("MINERU_GATEWAY_PROCESSES", "2")
-    assert main(["up", "--workers", "1"]) == 2
-    assert "one gateway process only" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["up", "--processes", "2"])
-
-
 def test_up_help_says_what_its_flags_count_and_their_defaults() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "mineru_gateway", "up", "--help"],

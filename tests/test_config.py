@@ -146,28 +146,24 @@ def test_the_memory_limit_is_read_from_cgroup_v2_then_v1(
 
 
 @pytest.mark.parametrize(
-    ("limit", "processes", "queued"),
+    ("limit", "queued"),
     [
-        (2048 * MIB, 1, 512 * MIB),  # the gateway pod's limit: a quarter of it
-        (2048 * MIB, 2, 256 * MIB),  # each process queues on its own
-        (64 * 1024 * MIB, 1, DEFAULT_MAX_QUEUED_BYTES),  # a large limit: the default
-        (None, 4, DEFAULT_MAX_QUEUED_BYTES),  # no limit: the default
+        (2048 * MIB, 512 * MIB),  # the gateway pod's limit: a quarter of it
+        (64 * 1024 * MIB, DEFAULT_MAX_QUEUED_BYTES),  # a large limit: the default
+        (None, DEFAULT_MAX_QUEUED_BYTES),  # no limit: the default
     ],
 )
 def test_queued_bytes_default_to_a_quarter_of_the_memory_limit(
-    tmp_path: Path, limit: int | None, processes: int, queued: int
+    tmp_path: Path, limit: int | None, queued: int
 ) -> None:
     files = cgroup_files(tmp_path, "max" if limit is None else str(limit), None)
-    assert default_max_queued_bytes(processes, files) == queued
+    assert default_max_queued_bytes(files) == queued
 
 
 def test_queued_bytes_come_from_this_containers_limit_unless_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert GatewaySettings().max_queued_bytes == default_max_queued_bytes()
-    assert GatewaySettings(processes=3).max_queued_bytes == default_max_queued_bytes(3)
-    monkeypatch.setenv("MINERU_GATEWAY_PROCESSES", "2")
-    assert GatewaySettings().max_queued_bytes == default_max_queued_bytes(2)
     monkeypatch.setenv("MINERU_GATEWAY_MAX_QUEUED_BYTES", "12345")
     assert GatewaySettings().max_queued_bytes == 12345
     assert GatewaySettings(max_queued_bytes=7).max_queued_bytes == 7

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +18,6 @@ from mineru_gateway.flow import (
     Ticket,
 )
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
-from mineru_gateway.workers.group_load import TENANT_WIDTH, GroupLoad, GroupTenants
 
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
 
@@ -122,107 +120,60 @@ def test_a_tenant_at_its_in_flight_limit_waits_while_others_go() -> None:
     assert head is not None and head.name == "capped"
 
 
-def sibling_queues(tmp_path: Path, count: int = 2) -> list[FairQueue]:
-    """The queues of `count` gateway processes sharing their tenants' counts."""
-    return [
-        FairQueue(
-            elsewhere=GroupTenants(
-                GroupLoad(tmp_path / "tenants", count, index, columns=64, width=TENANT_WIDTH)
-            )
-        )
-        for index in range(count)
-    ]
-
-
-def test_a_tenants_in_flight_limit_holds_across_processes(tmp_path: Path) -> None:
-    first, second = sibling_queues(tmp_path)
-    capped = TenantPolicy("capped", max_in_flight=2)
-    first.start_unqueued(capped)
-    first.push(ticket(capped))
-    head = first.next()
-    assert head is not None
-    first.pop(head)  # two in flight, both in the first process
-    second.push(ticket(capped))
-    second.push(ticket(B))
-    assert not second.may_start(capped)
-    head = second.next()
-    assert head is not None and head.name == "b"  # capped waits, b goes
-    second.pop(head)
-    assert second.next() is None
-    first.done(ticket(capped))  # one of capped's requests ends, in the other process
-    head = second.next()
-    assert head is not None and head.name == "capped"
-
-
 class OtherReplicas:
-    """Fixed counts of each tenant elsewhere, as fleet state reads them from Redis (whose
-    slots hold `max_in_flight`: `limited` False), or as other processes count them."""
+    """Fixed counts of each tenant elsewhere, as fleet state reads them from Redis."""
 
-    def __init__(self, counts: dict[str, tuple[int, int, int]], limited: bool = False) -> None:
+    def __init__(self, counts: dict[str, tuple[int, int, int]]) -> None:
         self.counts = counts
-        self.limited = limited
 
     def others(self, tenant: str) -> tuple[int, int, int]:
         return self.counts.get(tenant, (0, 0, 0))
-
-    def in_flight_limited(self, tenant: str) -> int:
-        return self.others(tenant)[0] if self.limited else 0
 
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
         pass
 
 
-def test_in_flight_elsewhere_apart_orders_by_share_but_limits_on_its_own_counts() -> None:
+def test_in_flight_elsewhere_orders_by_share_but_limits_on_its_own_counts() -> None:
     """Fleet state: other replicas' requests in flight rank a tenant's share, while its
     `max_in_flight` is held by Redis's slots, not by their counts."""
     capped = TenantPolicy("capped", max_in_flight=2)
-    elsewhere = OtherReplicas({"capped": (5, 0, 0), "b": (1, 0, 0)})
-    queue = FairQueue(elsewhere=elsewhere)
+    queue = FairQueue(elsewhere=OtherReplicas({"capped": (5, 0, 0), "b": (1, 0, 0)}))
     queue.push(ticket(capped))
     queue.push(ticket(B))
     assert queue.may_start(capped)
-    assert queue.share(capped) == 5.0
     served = [head.name for head in drain(queue)]
     assert served == ["b", "capped"]  # b holds less of the fleet; capped is not held back
-    counted = FairQueue(elsewhere=OtherReplicas(elsewhere.counts, limited=True))
-    counted.push(ticket(capped))
-    assert not counted.may_start(capped) and counted.next() is None
 
 
-def test_a_tenants_queue_limits_hold_across_processes(tmp_path: Path) -> None:
-    first, second = sibling_queues(tmp_path)
+def test_a_tenants_queue_limits_count_other_replicas() -> None:
     small = TenantPolicy("small", max_queued=3, max_queued_bytes=100)
-    first.push(ticket(small, size=40))
-    first.push(ticket(small, size=40))
+    elsewhere = OtherReplicas({"small": (0, 2, 80)})
+    queue = FairQueue(elsewhere=elsewhere)
     with pytest.raises(Rejected) as too_big:
-        second.push(ticket(small, size=21))
+        queue.push(ticket(small, size=21))
     assert too_big.value.why == "tenant_queue_bytes_full"
-    second.push(ticket(small, size=20))
+    queue.push(ticket(small, size=20))
     with pytest.raises(Rejected) as full:
-        second.push(ticket(small, size=1))
+        queue.push(ticket(small, size=1))
     assert full.value.why == "tenant_queue_full"
     assert "3 requests queued" in str(full.value)
-    first.remove(next(first.tickets()))  # room again, in the other process
-    second.push(ticket(small, size=1))
+    elsewhere.counts["small"] = (0, 1, 40)  # room again, in another replica
+    queue.push(ticket(small, size=1))
 
 
-def test_shares_count_every_process(tmp_path: Path) -> None:
-    """Equal tags go to the tenant with less in flight in the whole gateway, and `share` is what
-    queue heads of different processes are ranked by."""
-    first, second = sibling_queues(tmp_path)
-    for _ in range(3):
-        first.start_unqueued(A)  # a's requests went to workers from the other process
-    second.push(ticket(A))
-    second.push(ticket(B))
-    assert (second.share(A), second.share(B)) == (3.0, 0.0)
-    assert second.share(TenantPolicy("a", weight=2.0)) == 1.5
-    head = second.next()
+def test_shares_count_other_replicas() -> None:
+    """With other replicas' counts the share goes first, then the tag: a tenant holding more
+    of the fleet's requests for its weight waits behind one holding fewer."""
+    queue = FairQueue(elsewhere=OtherReplicas({"a": (3, 0, 0)}))
+    queue.push(ticket(A))
+    queue.push(ticket(B))
+    head = queue.next()
     assert head is not None and head.name == "b"
-    # With sibling processes the share goes first, then the tag: b is served, its tag moves
-    # on, and b still goes before a, which holds three requests to b's one.
-    second.pop(head)
-    second.push(ticket(B))
-    head = second.next()
+    # b is served, its tag moves on, and b still goes before a, which holds three requests
+    # to b's one.
+    queue.pop(head)
+    queue.push(ticket(B))
+    head = queue.next()
     assert head is not None and head.name == "b"
     alone = FairQueue()
     alone.push(ticket(A))

@@ -3,14 +3,11 @@ between gateways, the gateways of each configuration, and the summary of a resul
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from benchmarks.replicas import summary
-from benchmarks.replicas.bench import CONFIGURATIONS, GatewayGroup, SplitSession, parse_args
-from benchmarks.routing import fleet
+from benchmarks.replicas.bench import CONFIGURATIONS, SplitSession, parse_args
 from benchmarks.routing.stats import RunResult
 
 
@@ -105,21 +102,6 @@ def test_a_worse_second_gateway_fails_the_checks() -> None:
     assert list(verdicts.values()).count("FAIL") == 2  # its goodput is lower too
 
 
-def test_one_gateway_of_two_processes_is_compared_with_one_gateway_of_one() -> None:
-    doc = document(two_p99_at_knee=5000.0, other=summary.PROCESSES)
-    doc["summary"] = result = summary.summarise(doc)
-    assert result["candidates"] == [summary.PROCESSES]
-    assert set(result["goodput"]["a_identical"]) == {summary.ONE, summary.PROCESSES}
-    verdicts = {check["check"]: check["result"] for check in result["checks"]}
-    name = "a_identical at 1 K: one gateway of 2 processes: TTFT p99 <= 1.2x one gateway's"
-    assert verdicts[name] == "FAIL"
-    assert list(verdicts.values()) == ["FAIL", "PASS", "FAIL"]
-    doc |= {"command": "c", "git_commit": "x", "when": "t", "wall_time_s": 60.0}
-    text = summary.markdown(doc | {"machine": {"cpus": 2}})
-    assert "| a_identical | 1 K = 108.0/s | 50 / 900 | 50 / 5000 | 5.56 | - |" in text
-    assert "`mineru-gateway serve --processes 2`" in text
-
-
 def test_a_rate_where_neither_configuration_answered_in_time_is_not_a_pass() -> None:
     doc = document(two_p99_at_knee=None)  # censored: the tail outlasted the run
     assert summary.summarise(doc)["checks"][2]["result"] == "FAIL"  # against a measured 900 ms
@@ -132,27 +114,3 @@ def test_the_defaults_are_the_routing_suites_knee_and_both_scenarios() -> None:
     assert (args.fractions, args.scenarios, args.e2e) == ((0.85, 1.0), ["a", "c"], ())
     assert args.configurations == ["one_gateway", "two_gateways"]
     assert args.out.name == "replicas.json"
-
-
-async def test_a_gateway_of_two_processes_is_one_port_and_counts_every_process() -> None:
-    """The processes configuration starts `serve --processes 2`, and the group's pids, whose
-    CPU is the router's in every run, hold its children: left out, their CPU would count as
-    other processes' and every run would look disturbed."""
-    procs = fleet.Processes(Path(tempfile.mkdtemp(prefix="replicas-test-")))
-    try:
-        workers = fleet.SimWorkers(procs, time_scale=1.0, speeds=[1.0])
-        workers.start()
-        configuration = CONFIGURATIONS[summary.PROCESSES]
-        group = GatewayGroup("g", configuration, procs, workers.urls, fleet.RouterSettings())
-        await group.ready()
-        assert len(group.urls) == 1
-        assert group.pids[0] == group.members[0].pid  # the parent that keeps them
-        # The two gateway processes (multiprocessing's spawn children; its resource tracker
-        # is in the tree too).
-        assert sum(b"spawn_main" in command for command in _commands(group.pids[1:])) == 2
-    finally:
-        procs.stop_all()
-
-
-def _commands(pids: list[int]) -> list[bytes]:
-    return [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids]

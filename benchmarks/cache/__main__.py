@@ -311,9 +311,8 @@ async def small_requests(
 
 
 async def shared_redis(stack: ExitStack, workers: list[str], store: str) -> dict[str, Any]:
-    """A page computed through one gateway is a hit through another on the same Redis: two
-    replicas, and one `serve --processes 2` (new connections spread over its processes by the
-    kernel), beside the same with the memory cache, which each process keeps to itself."""
+    """A page computed through one gateway replica is a hit through another on the same
+    Redis."""
     one = gateway(stack, workers, "--cache", store)
     two = gateway(stack, workers, "--cache", store)
     bodies = pages(20_000, 50)
@@ -322,7 +321,7 @@ async def shared_redis(stack: ExitStack, workers: list[str], store: str) -> dict
     middle = await arrived(workers)
     await asyncio.sleep(0.5)
     served = await raw.post_all(two[0], bodies, 16)
-    result: dict[str, Any] = {
+    return {
         "two_replicas_redis": {
             "pages": len(bodies),
             "first_through_one": {"worker_requests": middle - before, "misses": _count(computed)},
@@ -332,29 +331,6 @@ async def shared_redis(stack: ExitStack, workers: list[str], store: str) -> dict
             },
         }
     }
-    for name, store_url, first in (
-        ("processes_2_memory", "memory", 21_000),
-        ("processes_2_redis", store, 22_000),
-    ):
-        url, _ = gateway(stack, workers, "--processes", "2", "--cache", store_url)
-        result[name] = await _fresh_connections_twice(url, workers, pages(first, 50))
-    return result
-
-
-async def _fresh_connections_twice(
-    url: str, workers: list[str], bodies: list[bytes]
-) -> dict[str, Any]:
-    """Each request on a new connection (so on either process), the batch twice."""
-    passes = {}
-    for name in ("first", "second"):
-        before = await arrived(workers)
-        answers = [(await raw.post_all(url, [body], 1))[0] for body in bodies]
-        passes[name] = {
-            "worker_requests": await arrived(workers) - before,
-            "hits": _count(answers, "hit"),
-        }
-        await asyncio.sleep(0.5)
-    return {"pages": len(bodies)} | passes
 
 
 def _count(answers: list[raw.Answer], label: str = "miss") -> int:

@@ -155,20 +155,6 @@ def _shared(shared: dict[str, Any]) -> list[str]:
             replicas["then_through_two"]["hits"],
         )
     ]
-    for name, label in (
-        ("processes_2_redis", "`serve --processes 2`, Redis, a new connection per request"),
-        ("processes_2_memory", "`serve --processes 2`, memory cache (each process its own)"),
-    ):
-        s = shared[name]
-        rows.append(
-            (
-                label,
-                s["pages"],
-                s["first"]["worker_requests"],
-                s["second"]["worker_requests"],
-                s["second"]["hits"],
-            )
-        )
     return _table(
         "One Redis behind several gateways",
         ("setup", "pages", "first pass: worker requests", "second pass: worker requests", "hits"),

@@ -1,23 +1,22 @@
 """What a fleet of W workers costs one gateway replica, at rest and per request
 (docs/operate/fleet-scale.md).
 
-For each W (8, 128, 512, 1,024 by default) and each `serve --processes` count (1 and 4), a fake
-fleet (fake.py: W real listening ports in one process) and `mineru-gateway serve` with its
-default settings, then, all CPU from /proc (the machine is shared: wall time says little):
+For each W (8, 128, 512, 1,024 by default), a fake fleet (fake.py: W real listening ports in one
+process) and `mineru-gateway serve` with its default settings, then, all CPU from /proc (the
+machine is shared: wall time says little):
 
-- at rest: the gateway's CPU (cores), the GETs each worker answers per second (from the
-  fleet's own counts), the gateway's RSS;
-- `/metrics`: its size, and the CPU of one scrape (scrapes far enough apart that none is a
-  cached render);
-- requests: after 2 per worker and process unmeasured (each process connects to each worker
-  once), `--requests` small chat completions in 3 rounds, `--concurrency` at a time; the
-  gateway's CPU per request, less its CPU at rest over the same time (the rounds' median), and
-  relative to W=8;
-- decisions, in this process: the time of one routing decision and lease (`Dispatcher.acquire`
-  and release) over a registry of W workers of which a quarter are full, p50 and p99;
-- replicas: `--replicas` gateways of `--replica-processes` processes each over the smallest
-  fleet (where each worker is read most often), sharing fleet state in one `redis-server`: the
-  GETs each worker answers them all, counted by the fleet.
+- at rest: the gateway's CPU (cores), the GETs each worker answers per second (from the fleet's
+  own counts), the gateway's RSS;
+- `/metrics`: its size, and the CPU of one scrape (scrapes far enough apart that none is a cached
+  render);
+- requests: after 2 per worker unmeasured (the gateway connects to each worker once), `--requests`
+  small chat completions in 3 rounds, `--concurrency` at a time; the gateway's CPU per request,
+  less its CPU at rest over the same time (the rounds' median), and relative to W=8;
+- decisions, in this process: the time of one routing decision and lease (`Dispatcher.acquire` and
+  release) over a registry of W workers of which a quarter are full, p50 and p99;
+- replicas: `--replicas` gateways over the smallest fleet (where each worker is read most often),
+  sharing fleet state in one `redis-server`: the GETs each worker answers them all, counted by the
+  fleet.
 
     python -m benchmarks.fleet --out benchmarks/results/fleet.json
 
@@ -96,14 +95,11 @@ def fleet(workers: int) -> Iterator[tuple[list[str], str]]:
 
 
 @contextlib.contextmanager
-def gateway(
-    urls: list[str], processes: int, settings: dict[str, str] | None = None
-) -> Iterator[tuple[str, int]]:
+def gateway(urls: list[str], settings: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """`mineru-gateway serve` over `urls`, once every worker is healthy: its URL and pid."""
     port = free_port()
     env = {**os.environ, "MINERU_GATEWAY_WORKERS": ",".join(urls), **(settings or {})}
     command = [sys.executable, "-m", "mineru_gateway", "serve", "--port", str(port)]
-    command += ["--processes", str(processes)]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -178,8 +174,8 @@ def connections(stats: dict[str, Any]) -> int:
     return sum(paths.get(CONNECTIONS, 0) for paths in stats.values())
 
 
-def measure(workers: int, processes: int, requests: int, concurrency: int) -> dict[str, Any]:
-    with fleet(workers) as (urls, stats), gateway(urls, processes) as (url, pid):
+def measure(workers: int, requests: int, concurrency: int) -> dict[str, Any]:
+    with fleet(workers) as (urls, stats), gateway(urls) as (url, pid):
         time.sleep(WARM_S)
         pids = process_tree(pid)
         counts, cpu, start = orjson.loads(get(stats)), tree_cpu(pid), time.monotonic()
@@ -197,9 +193,9 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
             size = len(get(url + "/metrics"))
             spent = tree_cpu(pid) - cpu - idle_cores * (time.monotonic() - start)
             scrape_cpu.append(max(0.0, spent))
-        # Every process connected to every worker first: the steady state is measured, not
-        # the first connection to each worker (what it costs: the report).
-        asyncio.run(load(url, WARM_REQUESTS_PER_WORKER * workers * processes, concurrency))
+        # Connected to every worker first: the steady state is measured, not the first
+        # connection to each worker (what it costs: the report).
+        asyncio.run(load(url, WARM_REQUESTS_PER_WORKER * workers, concurrency))
         # Rounds, and their median: other jobs on the machine move a single round's figure.
         rounds, latencies, walls = [], [], []
         opened = connections(orjson.loads(get(stats)))
@@ -214,7 +210,6 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
         opened = connections(orjson.loads(get(stats))) - opened - idle_connections * wall
     return {
         "workers": workers,
-        "processes": processes,
         "idle_cores": idle_cores,
         "gets_per_worker_per_s": gets,
         "rss_mib": rss,
@@ -228,14 +223,14 @@ def measure(workers: int, processes: int, requests: int, concurrency: int) -> di
     }
 
 
-def measure_replicas(workers: int, replicas: int, processes: int) -> dict[str, Any]:
+def measure_replicas(workers: int, replicas: int) -> dict[str, Any]:
     """The GETs each worker answers `replicas` gateways sharing fleet state."""
     with contextlib.ExitStack() as stack:
         store = redis(stack)
         urls, stats = stack.enter_context(fleet(workers))
         shared = {"MINERU_GATEWAY_FLEET_STATE": store}
         for _ in range(replicas):
-            stack.enter_context(gateway(urls, processes, shared))
+            stack.enter_context(gateway(urls, shared))
         time.sleep(WARM_S)  # every replica has counted the others (a few share periods)
         counts, start = orjson.loads(get(stats)), time.monotonic()
         time.sleep(IDLE_S)
@@ -243,7 +238,6 @@ def measure_replicas(workers: int, replicas: int, processes: int) -> dict[str, A
     return {
         "workers": workers,
         "replicas": replicas,
-        "processes": processes,
         "gets_per_worker_per_s": gets,
     }
 
@@ -304,13 +298,12 @@ def summarise(
     runs: list[dict[str, Any]], replica_runs: list[dict[str, Any]], decisions: dict[str, Any]
 ) -> dict[str, Any]:
     """The targets (docs/operate/fleet-scale.md), from the runs."""
-    base = {r["processes"]: r["cpu_us_per_request"] for r in runs if r["workers"] == 8}
+    base = next(r["cpu_us_per_request"] for r in runs if r["workers"] == 8)
     for run in runs:
-        run["cpu_per_request_vs_w8"] = run["cpu_us_per_request"] / base[run["processes"]]
+        run["cpu_per_request_vs_w8"] = run["cpu_us_per_request"] / base
     largest = max(r["workers"] for r in runs)
     at_largest = [r for r in runs if r["workers"] == largest]
-    # One reader per replica: the per-worker rate does not grow with the processes. The model
-    # listing comes every MODELS_EVERY_S, maybe not within the window: counted in anyway.
+    # The model listing comes every MODELS_EVERY_S, maybe not within the window: counted in anyway.
     worst_rate = max(r["gets_per_worker_per_s"]["max"] for r in runs) + 1 / MODELS_EVERY_S
     shared = [run["gets_per_worker_per_s"]["max"] for run in replica_runs]
     return {
@@ -328,13 +321,11 @@ def summarise(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="8,128,512,1024")
-    parser.add_argument("--processes", default="1,4")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--decisions", type=int, default=3000)
     parser.add_argument("--baseline-src", default=None)
     parser.add_argument("--replicas", type=int, default=REPLICAS)
-    parser.add_argument("--replica-processes", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fleet.json"))
     parser.add_argument(
         "--report-only", action="store_true", help="write the .md from the --out JSON only"
@@ -347,7 +338,6 @@ def main() -> None:
         write(args.out, result)
         return
     sizes = [int(n) for n in args.workers.split(",")]
-    counts = [int(n) for n in args.processes.split(",")]
     decisions: dict[str, Any] = {}
     for size in sizes:
         decisions[str(size)] = {"this": decision_times(size, args.decisions)}
@@ -358,13 +348,12 @@ def main() -> None:
         print(f"decisions W={size}: {decisions[str(size)]}", flush=True)
     runs = []
     for size in sizes:
-        for processes in counts:
-            run = measure(size, processes, args.requests, args.concurrency)
-            print(json.dumps(run), flush=True)
-            runs.append(run)
+        run = measure(size, args.requests, args.concurrency)
+        print(json.dumps(run), flush=True)
+        runs.append(run)
     replica_runs = []
     if args.replicas > 1:
-        replica_runs.append(measure_replicas(min(sizes), args.replicas, args.replica_processes))
+        replica_runs.append(measure_replicas(min(sizes), args.replicas))
         print(json.dumps(replica_runs[-1]), flush=True)
     result = {
         "command": "python -m benchmarks.fleet " + " ".join(sys.argv[1:]),

@@ -21,25 +21,23 @@ WHY = """\
 
 - **A decision** draws a few workers with room (docs/operate/fleet-scale.md), so its time does
   not follow W; at W=8 the index costs a few microseconds more than a walk of eight workers.
-- **CPU per request** does not grow with W, with one process or four. Each process keeps a
-  connection to a worker alive for 4 s after its last request there; among equally loaded
+- **CPU per request** does not grow with W. The gateway keeps a connection to a worker alive
+  for 4 s after its last request there; among equally loaded
   drawn workers it takes one it holds a connection to (docs/operate/fleet-scale.md), so a
   request rarely opens a connection first, however large the fleet (the connections the fleet
   accepted during the requests, less those the reads and probes open at rest, per request).
-  On this 2-core machine, shared with other jobs, the 4 processes, the fleet and the client
+  On this 2-core machine, shared with other jobs, the gateway, the fleet and the client
   contend for the cores: the rounds of one run differ by up to a third.
 - **Idle CPU** is mostly the reads and probes: `MAX_FLEET_GETS_PER_S` GETs per second at most,
   a worker's probe and read on one connection (usually made afresh: a worker's turn comes
-  after its keep-alive lapsed), whatever W. With several processes, each of the others takes
-  the reader's findings once per read period.
-- **GETs per worker**: one replica's processes share one reader and prober, so the processes
-  do not multiply them. Replicas sharing fleet state split each worker's budget
-  (`MAX_WORKER_GETS_PER_S`), measured with the replicas running; without fleet state each
-  replica takes the whole budget (the runs above, one replica). The model listing (every 30 s,
-  maybe outside the measured window) is counted in.
+  after its keep-alive lapsed), whatever W.
+- **GETs per worker**: one replica reads and probes each worker. Replicas sharing fleet state
+  split each worker's budget (`MAX_WORKER_GETS_PER_S`), measured with the replicas running;
+  without fleet state each replica takes the whole budget (the runs above, one replica). The
+  model listing (every 30 s, maybe outside the measured window) is counted in.
 - **/metrics** past 64 workers holds per worker only the gauges operators watch per worker
   (health, in flight, queue, KV cache, figures' age) and the ejections. A scrape's CPU grows
-  with those gauges, and with 4 processes with the merge of their figures; a render that costs
+  with those gauges; a render that costs
   10 ms or more is served again for up to 1 s.
 """
 
@@ -80,15 +78,15 @@ def render(result: dict[str, Any]) -> str:
         "",
         "## Runs",
         "",
-        "| W | processes | idle cores | GETs/s per worker (mean / max) | RSS MiB | /metrics "
+        "| W | idle cores | GETs/s per worker (mean / max) | RSS MiB | /metrics "
         "bytes | scrape CPU ms | CPU us per request | vs W=8 | connections per request "
         "| p50 ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         gets = run["gets_per_worker_per_s"]
         lines.append(
-            f"| {run['workers']} | {run['processes']} | {run['idle_cores']:.3f} "
+            f"| {run['workers']} | {run['idle_cores']:.3f} "
             f"| {gets['mean']:.2f} / {gets['max']:.2f} | {run['rss_mib']:.0f} "
             f"| {run['metrics_bytes']:,} | {run['scrape_cpu_ms']:.1f} "
             f"| {run['cpu_us_per_request']:.0f} | {run['cpu_per_request_vs_w8']:.2f}x "
@@ -98,17 +96,17 @@ def render(result: dict[str, Any]) -> str:
         "",
         "## Replicas: the GETs each worker answers them all",
         "",
-        "| W | replicas x processes | fleet state | GETs/s per worker (mean / max) |",
+        "| W | replicas | fleet state | GETs/s per worker (mean / max) |",
         "| ---: | ---: | --- | ---: |",
     ]
     for run in result.get("replica_runs", []):
         gets = run["gets_per_worker_per_s"]
         lines.append(
-            f"| {run['workers']} | {run['replicas']} x {run['processes']} | Redis, shared "
+            f"| {run['workers']} | {run['replicas']} | Redis, shared "
             f"| {gets['mean']:.2f} / {gets['max']:.2f} |"
         )
     alone = summary["gets_per_worker_per_s_4_replicas_alone"]
-    lines.append(f"| any | 4 x any | off (one replica's worst, x 4) | - / {alone:.2f} |")
+    lines.append(f"| any | 4 | off (one replica's worst, x 4) | - / {alone:.2f} |")
     lines += [
         "",
         "## One routing decision and lease (a quarter of the workers full)",

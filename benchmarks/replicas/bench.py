@@ -4,9 +4,7 @@
 What this adds to `benchmarks.routing.suite`, whose run protocol, workload, scenarios and goodput
 it keeps:
 - the "router" is a group of `mineru-gateway serve` processes with the default settings over
-  the same workers (`CONFIGURATIONS`): one gateway; two gateways (replicas); or one gateway of
-  two processes (`serve --processes 2`, issue 16), whose processes share one port and the kernel
-  spreads the load generator's connections between them;
+  the same workers (`CONFIGURATIONS`): one gateway, or two gateways (replicas);
 - the load generator's session is a `SplitSession`, which sends every other request to the other
   gateway. Each of two gateways then takes half the traffic and knows of the other's requests
   only from the workers' own queues (vLLM /metrics), as replicas behind a Kubernetes Service do
@@ -39,13 +37,11 @@ from . import summary
 @dataclass(frozen=True)
 class Configuration:
     gateways: int  # replicas, each sent its share of the requests in turn
-    processes: int = 1  # `serve --processes` of each
 
 
 CONFIGURATIONS = {
     summary.ONE: Configuration(1),
     summary.TWO: Configuration(2),
-    summary.PROCESSES: Configuration(1, processes=2),
 }
 DEFAULT_CONFIGURATIONS = [summary.ONE, summary.TWO]
 RESULTS = suite.RESULTS
@@ -89,9 +85,6 @@ class GatewayGroup:
         settings: fleet.RouterSettings,
     ) -> None:
         self.spec = replace(fleet.ROUTERS["queue"], name=name)
-        if configuration.processes > 1:
-            extra = ("--processes", str(configuration.processes))
-            settings = replace(settings, gateway_args=(*settings.gateway_args, *extra))
         self.members = [
             fleet.RunningRouter(self.spec, procs, workers, settings)
             for _ in range(configuration.gateways)
@@ -107,7 +100,7 @@ class GatewayGroup:
 
     @property
     def pids(self) -> list[int]:
-        """Every process of every gateway: `serve --processes N`'s children count too."""
+        """Every process of every gateway, with its children."""
         return [pid for member in self.members for pid in process_tree(member.pid)]
 
     async def ready(self) -> GatewayGroup:

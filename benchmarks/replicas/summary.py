@@ -18,8 +18,8 @@ from typing import Any
 from benchmarks.routing import report
 from benchmarks.routing.stats import RunResult, goodput
 
-ONE, TWO, PROCESSES = "one_gateway", "two_gateways", "one_gateway_2_processes"
-LABELS = {ONE: "one gateway", TWO: "two gateways", PROCESSES: "one gateway of 2 processes"}
+ONE, TWO = "one_gateway", "two_gateways"
+LABELS = {ONE: "one gateway", TWO: "two gateways"}
 GOODPUT_RATIO = 0.95  # a configuration keeps at least this share of one gateway's goodput
 P99_RATIO = 1.2  # and its TTFT p99 within this factor of one gateway's, where both met the SLO
 
@@ -140,12 +140,6 @@ def _describe(name: str) -> str:
         return (
             "two gateways: two `mineru-gateway serve` processes with the default settings "
             "(`queue` routing, flow control), each sent every other request"
-        )
-    if name == PROCESSES:
-        return (
-            "one gateway of 2 processes: `mineru-gateway serve --processes 2`, the default "
-            "settings otherwise; its processes share one port and the kernel spreads the load "
-            "generator's connections between them"
         )
     return name
 

@@ -45,7 +45,6 @@ from . import (
 
 PROXIES = (
     "gateway",
-    "gateway-processes",
     "vllm-router",
     "nginx",
     "dp-balancer",
@@ -99,12 +98,6 @@ class Bench:
         up = self.upstreams
         if name == "gateway":
             return gateway_argv(port, up, self.args.gateway_arg), {}, "/ready"
-        if name == "gateway-processes":
-            return (
-                gateway_argv(port, up, ["--processes", "2", *self.args.gateway_arg]),
-                {},
-                "/ready",
-            )
         if name.startswith("gateway@"):
             candidate = name.removeprefix("gateway@")
             src = self.args.candidates[candidate]
@@ -292,14 +285,14 @@ def notes(args: argparse.Namespace) -> list[str]:
     return [
         f"{os.cpu_count()} CPUs shared by wrk, the upstreams and the proxy: a proxy that cannot "
         "get a full core shows it in requests/s, not in CPU per request (the figure compared).",
-        "gateway: `serve --workers U1,U2,... --log-level warning`; gateway-processes: the same "
-        "with `--processes 2`; vllm-router: `--policy round_robin --disable-retries`; nginx: one "
-        "worker process, keepalive 128 to the upstreams, no access log; dp-balancer: "
-        "benchmarks/routing/dp_balancer.py (raw ASGI on uvicorn + aiohttp); floor-asgi, "
-        "floor-link and floor-raw: benchmarks/small_requests/floors.py, relays with nothing but "
-        "relaying over the gateway's own client (a raw ASGI app on uvicorn answering through "
-        "`send`; the same on the gateway's server protocol answering through its client link; "
-        "an asyncio protocol over httptools).",
+        "gateway: `serve --workers U1,U2,... --log-level warning`; vllm-router: `--policy "
+        "round_robin --disable-retries`; nginx: one worker process, keepalive 128 to the "
+        "upstreams, no access log; dp-balancer: benchmarks/routing/dp_balancer.py (raw ASGI on "
+        "uvicorn + aiohttp); floor-asgi, floor-link and floor-raw: "
+        "benchmarks/small_requests/floors.py, relays with nothing but relaying over the "
+        "gateway's own client (a raw ASGI app on uvicorn answering through `send`; the same on "
+        "the gateway's server protocol answering through its client link; an asyncio protocol "
+        "over httptools).",
         *(
             f"gateway@{name}: the gateway from {src}/src"
             + "".join(f" {arg}" for arg in args.candidate_args.get(name, []))

@@ -45,9 +45,9 @@ HCCL_MAX_BASE_PORT = 65520  # CANN's documented upper bound for HCCL_IF_BASE_POR
 DEFAULT_MAX_QUEUED_BYTES = 2048 * MIB
 # Where the kernel states the container's memory limit: cgroup v2's file, then cgroup v1's (an
 # unlimited v1 group reads as a huge number). Without MAX_QUEUED_BYTES the queue may hold a
-# quarter of that limit, shared by the gateway's processes, so that a queue full of page images
-# is answered 429 long before the container is killed for its memory
-# (docs/deploy/kubernetes.md, "Memory and the gateway's queue").
+# quarter of that limit, so that a queue full of page images is answered 429 long before the
+# container is killed for its memory (docs/deploy/kubernetes.md, "Memory and the gateway's
+# queue").
 CGROUP_MEMORY_LIMIT_FILES = (
     Path("/sys/fs/cgroup/memory.max"),
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
@@ -67,16 +67,13 @@ def memory_limit(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int | N
     return None
 
 
-def default_max_queued_bytes(
-    processes: int = 1, files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES
-) -> int:
-    """MAX_QUEUED_BYTES when it is not set: a quarter of the memory limit, divided among the
-    processes (each holds a queue of its own), at most DEFAULT_MAX_QUEUED_BYTES."""
+def default_max_queued_bytes(files: tuple[Path, ...] = CGROUP_MEMORY_LIMIT_FILES) -> int:
+    """MAX_QUEUED_BYTES when it is not set: a quarter of the memory limit, at most
+    DEFAULT_MAX_QUEUED_BYTES."""
     limit = memory_limit(files)
     if limit is None:
         return DEFAULT_MAX_QUEUED_BYTES
-    share = limit // QUEUED_SHARE_OF_MEMORY_LIMIT // max(processes, 1)
-    return min(DEFAULT_MAX_QUEUED_BYTES, share)
+    return min(DEFAULT_MAX_QUEUED_BYTES, limit // QUEUED_SHARE_OF_MEMORY_LIMIT)
 
 
 def _split_csv(value: Any) -> Any:
@@ -176,14 +173,6 @@ class GatewaySettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="Port to listen on (0: any).")
-    processes: int = Field(
-        1,
-        ge=1,
-        le=256,
-        description="Gateway processes sharing the port (SO_REUSEPORT), one per core to use; "
-        "each routes on its own counts plus the workers' reported queues, and /metrics shows "
-        "them all as one gateway (docs/architecture.md). `serve` only.",
-    )
     workers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Worker base URLs, comma-separated (e.g. http://127.0.0.1:30001).",
@@ -450,9 +439,9 @@ class GatewaySettings(BaseSettings):
     max_queued_bytes: int = Field(
         DEFAULT_MAX_QUEUED_BYTES,
         ge=0,
-        description="Request bytes each gateway process queues in all (page images). Unset: "
-        "a quarter of the container's cgroup memory limit divided among the processes, at most "
-        "this default (docs/deploy/kubernetes.md).",
+        description="Request bytes the gateway queues in all (page images). Unset: a quarter "
+        "of the container's cgroup memory limit, at most this default "
+        "(docs/deploy/kubernetes.md).",
     )
     max_queue_wait_s: float = Field(
         300.0,
@@ -527,14 +516,14 @@ class GatewaySettings(BaseSettings):
     )
     fleet_state: str = Field(
         "off",
-        description="Where tenants' in-flight limits are counted: off (each process alone) or "
-        "redis://HOST:PORT/DB, shared by every replica and process; not the cache's Redis by "
+        description="Where tenants' in-flight limits are counted: off (each replica alone) or "
+        "redis://HOST:PORT/DB, shared by every replica; not the cache's Redis by "
         "default (docs/operate/fleet-state.md).",
     )
     fleet_state_timeout_s: float = Field(
         0.05,
         gt=0,
-        description="Longest wait for Redis per admission; past it the process counts alone "
+        description="Longest wait for Redis per admission; past it the replica counts alone "
         "until Redis answers again.",
     )
     fleet_state_lease_s: float = Field(
@@ -552,7 +541,7 @@ class GatewaySettings(BaseSettings):
     fleet_state_share_s: float = Field(
         0.25,
         gt=0,
-        description="How often each process shares its tenants' queued and in-flight counts "
+        description="How often each replica shares its tenants' queued and in-flight counts "
         "through Redis and reads the other replicas': their queue limits may be passed by what "
         "other replicas queued within it.",
     )
@@ -612,9 +601,7 @@ class GatewaySettings(BaseSettings):
     def _queued_bytes_within_memory(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("max_queued_bytes") is not None:
             return data
-        processes = str(data.get("processes", 1)).strip()
-        count = int(processes) if processes.isdigit() else 1  # a bad value fails validation
-        return {**data, "max_queued_bytes": default_max_queued_bytes(count)}
+        return {**data, "max_queued_bytes": default_max_queued_bytes()}
 
     def model_post_init(self, context: Any) -> None:
         self._credentials = read_credentials(self)

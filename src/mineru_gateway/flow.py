@@ -19,14 +19,14 @@ The order, from first to last:
   backlogged tenants are served in proportion to their weights.
 - **FIFO within a tenant and band.**
 
-With several processes (`serve --processes N`) each holds a queue of its own requests; given
-`TenantsElsewhere`, a tenant's limits and its share count the whole gateway's requests. Inside a
-band the order is then by share first (the tenant with the fewest of the gateway's requests in
-flight for its weight), the fair-queuing tag second: each process's tags run on its own clock,
-advanced by its own dispatches, and cannot be compared with another's, while shares can, and
-`share()` ranks queue heads across the processes (workers/group_load.py, `QueueHeads`). Ordered
-by tags, a light tenant's request queued behind a flooding tenant's in one process while that
-process's dispatches were a fraction of the fleet's (docs/flow-control.md).
+With several replicas sharing fleet state (docs/operate/fleet-state.md) each holds a queue of
+its own requests; given `TenantsElsewhere`, a tenant's limits and its share count every
+replica's requests. Inside a band the order is then by share first (the tenant with the fewest
+of the fleet's requests in flight for its weight), the fair-queuing tag second: each replica's
+tags run on its own clock, advanced by its own dispatches, and cannot be compared with
+another's, while shares can. Ordered by tags, a light tenant's request would queue behind a
+flooding tenant's in a replica whose dispatches are a fraction of the fleet's
+(docs/flow-control.md).
 
 Backpressure: the queue is bounded in requests and in bytes (page images are megabytes), per
 tenant (when configured) and in total. When the total is full, the request that goes is the newest
@@ -142,17 +142,13 @@ class Ticket:
 
 
 class TenantsElsewhere(Protocol):
-    """What the gateway's other processes hold of each tenant (workers/group_load.py)."""
+    """What the gateway's other replicas hold of each tenant (fleet/tenants.py)."""
 
     def others(self, tenant: str) -> tuple[int, int, int]:
-        """The other processes' (in flight, queued, queued bytes) of the tenant."""
-
-    def in_flight_limited(self, tenant: str) -> int:
-        """The other processes' requests in flight of the tenant that count against its
-        `max_in_flight` here: all of them, or none that fleet state's slots hold already."""
+        """The other replicas' (in flight, queued, queued bytes) of the tenant."""
 
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
-        """This process's counts of the tenant, now."""
+        """This replica's counts of the tenant, now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +202,9 @@ class FairQueue:
     def __init__(
         self, limits: QueueLimits | None = None, elsewhere: TenantsElsewhere | None = None
     ) -> None:
-        """`elsewhere`: the other processes' counts of each tenant, which its limits and share
-        then include (its `max_in_flight` those `in_flight_limited` names). The queue's totals
-        stay this process's: they bound its memory."""
+        """`elsewhere`: the other replicas' counts of each tenant, which its queue limits and
+        share then include (its `max_in_flight` is held by fleet state's slots:
+        fleet/slots.py). The queue's totals stay this replica's: they bound its memory."""
         self.limits = limits or QueueLimits()
         self._elsewhere = elsewhere
         self._bands: dict[int, _Band] = {}
@@ -378,23 +374,11 @@ class FairQueue:
         state = self._tenants.get(tenant)
         return state.in_flight if state else 0
 
-    def _limited_others(self, tenant: str) -> int:
-        """The other processes' requests in flight that count against `max_in_flight`."""
-        elsewhere = self._elsewhere
-        return 0 if elsewhere is None else elsewhere.in_flight_limited(tenant)
-
     def may_start(self, tenant: TenantPolicy) -> bool:
-        """Under the tenant's in-flight limit, counting its requests in the processes that
-        limit counts (`TenantsElsewhere.in_flight_limited`)."""
+        """Under the tenant's in-flight limit in this replica (across replicas, fleet state's
+        slots hold it: fleet/slots.py)."""
         limit = tenant.max_in_flight
-        if limit is None:
-            return True
-        return self.in_flight(tenant.name) + self._limited_others(tenant.name) < limit
-
-    def share(self, tenant: TenantPolicy) -> float:
-        """The tenant's requests in flight, in every process, for its weight: how queue heads
-        of different processes are ranked within a band (the smaller goes first)."""
-        return (self.in_flight(tenant.name) + self._others(tenant.name)[0]) / tenant.weight
+        return limit is None or self.in_flight(tenant.name) < limit
 
     def start_unqueued(self, tenant: TenantPolicy) -> None:
         """Counts a request dispatched at once, without queueing, against its tenant."""

@@ -70,7 +70,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def tree_cpu_times(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of `pid` and its live descendants (`serve --processes N`)."""
+    """User and system CPU seconds of `pid` and its live descendants."""
     times = [cpu_times(member) for member in process_tree(pid)]
     return sum(user for user, _ in times), sum(system for _, system in times)
 

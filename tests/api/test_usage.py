@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 import struct
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 import httpx
 import orjson
@@ -19,9 +19,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from mineru_gateway.api.app import create_app
-from mineru_gateway.config import GatewaySettings
-from mineru_gateway.siblings import Siblings
 from tests.conftest import StartGateway, StartSim
 from tests.support.servers import serve
 
@@ -131,30 +128,6 @@ def test_refused_requests_use_nothing(gateway: str) -> None:
     assert usage(gateway).json()["tenants"] == []
 
 
-def test_usage_adds_up_every_process(
-    start_sim: StartSim, servers: ExitStack, tmp_path: Path
-) -> None:
-    worker = start_sim(model_name=MODEL)
-    settings = GatewaySettings(
-        workers=[worker],
-        port=0,
-        health_interval_s=0.2,
-        log_level="warning",
-        admin_keys=[ADMIN],
-        tenants=orjson.dumps(TENANTS).decode(),
-    )
-    first, second = (
-        servers.enter_context(serve(create_app(settings, siblings=Siblings(index, 2, tmp_path))))
-        for index in range(2)
-    )
-    send_mix(first, "sk-docs", pages=1)
-    send_mix(second, "sk-docs", pages=2)
-    for either in (first, second):
-        rows = rows_by(usage(either))
-        assert rows[("docs", "layout")]["pages"] == 3
-        assert rows[("docs", "text")]["requests"] == 6
-
-
 class FakePrometheus:
     """Prometheus' HTTP query API as far as /v1/usage reads it: answers each usage counter's
     query with one series, and keeps the queries."""
@@ -164,8 +137,10 @@ class FakePrometheus:
 
     def app(self) -> Starlette:
         async def query(request: Request) -> JSONResponse:
-            self.queries.append(dict(request.query_params))
-            text = request.query_params["query"]
+            form = dict(parse_qsl((await request.body()).decode()))  # POST: a form
+            params = dict(request.query_params) | form
+            self.queries.append(params)
+            text = params["query"]
             amount = {"pages": "7", "npu_seconds": "12.5"}.get(
                 next((name for name in ("pages", "npu_seconds") if name in text), ""), "3"
             )
@@ -175,7 +150,7 @@ class FakePrometheus:
                 {"status": "success", "data": {"resultType": "vector", "result": result}}
             )
 
-        return Starlette(routes=[Route("/api/v1/query", query)])
+        return Starlette(routes=[Route("/api/v1/query", query, methods=["GET", "POST"])])
 
 
 def test_usage_over_a_time_range_asks_prometheus_for_each_counters_increase(

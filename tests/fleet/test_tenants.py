@@ -10,25 +10,8 @@ from mineru_gateway.fleet.tenants import INDEX_KEY, KEY_PREFIX, FleetTenants, re
 from tests.support.redis_server import RedisServer
 
 
-class Siblings:
-    """A replica's other processes, as the siblings' table would count them."""
-
-    def __init__(self, counts: dict[str, tuple[int, int, int]]) -> None:
-        self.counts = counts
-        self.published: dict[str, tuple[int, int, int]] = {}
-
-    def others(self, tenant: str) -> tuple[int, int, int]:
-        return self.counts.get(tenant, (0, 0, 0))
-
-    def in_flight_limited(self, tenant: str) -> int:
-        return self.others(tenant)[0]
-
-    def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
-        self.published[tenant] = (in_flight, queued, queued_bytes)
-
-
 def replica(url: str, **options: object) -> FleetTenants:
-    return FleetTenants(url, None, replica=replica_id(), **options)  # type: ignore[arg-type]
+    return FleetTenants(url, replica=replica_id(), **options)  # type: ignore[arg-type]
 
 
 async def test_each_replica_sees_the_others_counts_not_its_own(redis_server: RedisServer) -> None:
@@ -54,50 +37,20 @@ async def test_each_replica_sees_the_others_counts_not_its_own(redis_server: Red
             await shares.close()
 
 
-async def test_replicas_are_counted_once_whatever_their_processes(
-    redis_server: RedisServer,
-) -> None:
+async def test_the_replicas_sharing_are_counted(redis_server: RedisServer) -> None:
     """What each replica's share of a worker's GET budget is worked out from
-    (workers/registry.py): the replicas sharing, each counted once however many processes it
-    runs, and 1 while Redis is away."""
-    same = replica_id("/tmp/mineru-gateway-abc")
-    first = FleetTenants(redis_server.url, Siblings({}), replica=same, process=0)
-    second = FleetTenants(redis_server.url, Siblings({}), replica=same, process=1)
-    other = replica(redis_server.url)
+    (workers/registry.py): the replicas sharing, and 1 while Redis is away."""
+    first, second, third = (replica(redis_server.url) for _ in range(3))
     try:
         assert first.replicas() == 1  # nothing heard yet
-        for shares in (first, second, other, first, second, other):
+        for shares in (first, second, third, first, second, third):
             await shares.exchange()
-        assert (first.replicas(), second.replicas(), other.replicas()) == (2, 2, 2)
+        assert (first.replicas(), second.replicas(), third.replicas()) == (3, 3, 3)
         redis_server.stop()
         await first.exchange()
         assert first.fallback and first.replicas() == 1
     finally:
-        for shares in (first, second, other):
-            await shares.close()
-
-
-async def test_a_replicas_own_processes_come_from_its_table_not_redis(
-    redis_server: RedisServer,
-) -> None:
-    same = replica_id("/tmp/mineru-gateway-abc")
-    assert same == replica_id("/tmp/mineru-gateway-abc") != replica_id("/tmp/mineru-gateway-xyz")
-    table = Siblings({"acme": (4, 4, 40)})
-    first = FleetTenants(redis_server.url, table, replica=same, process=0)
-    second = FleetTenants(redis_server.url, Siblings({}), replica=same, process=1)
-    other = replica(redis_server.url)
-    try:
-        first.publish("acme", 1, 2, 20)
-        assert table.published == {"acme": (1, 2, 20)}  # the siblings' table gets it too
-        second.publish("acme", 4, 4, 40)
-        other.publish("acme", 10, 0, 0)
-        for shares in (first, second, other, first):
-            await shares.exchange()
-        assert first.others("acme") == (4 + 10, 4, 40)  # the table's, and the other replica's
-        await other.exchange()
-        assert other.others("acme") == (5, 6, 60)  # both processes of the first replica
-    finally:
-        for shares in (first, second, other):
+        for shares in (first, second, third):
             await shares.close()
 
 
@@ -174,29 +127,26 @@ async def test_a_flushed_script_is_loaded_again_without_falling_back(
 
 
 async def test_redis_away_counts_alone_then_shares_again(redis_server: RedisServer) -> None:
-    table = Siblings({"acme": (1, 1, 1)})
-    shares = FleetTenants(
-        redis_server.url, table, replica=replica_id(), timeout_s=0.2, share_s=0.05, probe_s=0.1
-    )
+    shares = replica(redis_server.url, timeout_s=0.2, share_s=0.05, probe_s=0.1)
     other = replica(redis_server.url)
     try:
         other.publish("acme", 5, 5, 5)
         await other.exchange()
         await shares.start()
         await asyncio.sleep(0.2)
-        assert shares.others("acme") == (6, 6, 6)
+        assert shares.others("acme") == (5, 5, 5)
         redis_server.stop()
         await asyncio.sleep(0.3)
         assert shares.fallback and shares.metrics.fallbacks.cell("counts")[0] == 1
-        assert shares.others("acme") == (1, 1, 1)  # this replica alone
+        assert shares.others("acme") == (0, 0, 0)  # this replica alone
         redis_server.start()  # an empty Redis: the other replica writes again
         other.publish("acme", 2, 2, 2)
         await other.exchange()
         for _ in range(100):
-            if not shares.fallback and shares.others("acme") == (3, 3, 3):
+            if not shares.fallback and shares.others("acme") == (2, 2, 2):
                 break
             await asyncio.sleep(0.05)
-        assert not shares.fallback and shares.others("acme") == (3, 3, 3)
+        assert not shares.fallback and shares.others("acme") == (2, 2, 2)
         assert shares.metrics.fallbacks.cell("counts")[0] == 1
     finally:
         await shares.close()

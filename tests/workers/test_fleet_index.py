@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 
 from mineru_gateway.cost import Cost
 from mineru_gateway.flow import FairQueue, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import QueueLength
 from mineru_gateway.workers.dispatcher import Admission, Dispatcher
-from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
@@ -19,7 +17,7 @@ MODEL = "m"
 BATCH = 4
 
 
-def big_fleet(size: int, *, sample: int = 8, group: GroupLoad | None = None) -> Dispatcher:
+def big_fleet(size: int, *, sample: int = 8) -> Dispatcher:
     registry = WorkerRegistry(
         [f"http://w{n}:1" for n in range(size)],
         UpstreamClient(Timeouts(1, 1, 1)),
@@ -27,7 +25,6 @@ def big_fleet(size: int, *, sample: int = 8, group: GroupLoad | None = None) -> 
         batch_limit=BATCH,
         rng=random.Random(7),
         sample=sample,
-        group=group,
     )
     for worker in registry.workers:
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
@@ -123,26 +120,3 @@ async def test_a_decision_looks_at_no_more_than_its_sample() -> None:
     dispatcher = big_fleet(512, sample=5)
     offer = dispatcher.registry.offer(MODEL, dispatcher.room)
     assert offer.roomy and len(offer.views) == 5
-
-
-async def test_a_worker_filled_by_a_sibling_process_is_seen_full_when_drawn(
-    tmp_path: Path,
-) -> None:
-    """The sibling's requests are no event in this process: the draw checks again."""
-    ours = big_fleet(32, group=GroupLoad(tmp_path / "t", 2, 0))
-    theirs = GroupLoad(tmp_path / "t", 2, 1)
-    registry = ours.registry
-    assert ours.registry.offer(MODEL, ours.room).roomy  # every worker placed as roomy
-    busy = registry.workers[:31]
-    for worker in busy:
-        theirs.worker(worker.url).publish(BATCH, float(BATCH))
-    for _ in range(20):
-        grant = await ours.acquire(ask())
-        assert grant.lease.worker is registry.workers[31]
-        grant.release()
-    theirs.worker(busy[0].url).publish(0, 0.0)  # the sibling's requests there end
-    for worker in registry.workers[31:]:
-        for _ in range(BATCH):
-            registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
-    grant = await ours.acquire(ask())
-    assert grant.lease.worker is busy[0]

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.membership import Membership
 
 
@@ -31,9 +28,3 @@ def test_only_healthy_members_offer_their_models() -> None:
     b.healthy = True
     assert membership.any_healthy()
     assert sorted(card["id"] for card in membership.models()) == ["m", "n"]
-
-
-def test_members_share_their_counts_through_the_processes_table(tmp_path: Path) -> None:
-    membership = Membership(["http://a:1"], GroupLoad(tmp_path / "t", 2, 0))
-    GroupLoad(tmp_path / "t", 2, 1).worker("http://a:1").publish(2, 2.5)  # the sibling's
-    assert membership.worker("http://a:1").gateway_load() == (2, 2.5)

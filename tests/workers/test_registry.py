@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
-import orjson
 import pytest
 
 from mineru_gateway.cost import Cost
-from mineru_gateway.routing import LoadModel, QueueLength, RoundRobin
-from mineru_gateway.siblings import reading_from_json, reading_json
+from mineru_gateway.routing import LoadModel, RoundRobin
 from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH, VllmLoad
-from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import (
     HealthPolicy,
     Scrape,
-    Shared,
     WorkerRegistry,
     learn_batch,
 )
@@ -150,53 +145,6 @@ def test_a_workers_batch_size_is_learnt_from_its_reported_load(
     assert view.batch_limit == (learnt or None)
 
 
-async def test_shared_readings_stand_in_for_reading_the_workers_and_are_taken_once() -> None:
-    """Another process's readings (siblings.py): taken with the time they were read, learnt
-    from (pace) once each, and never a worker's /metrics read (the URLs lead nowhere)."""
-    now = time.monotonic()
-    models = {"m": {"id": "m"}}
-    feeds = [
-        {
-            url: Shared(Scrape(VllmLoad(*load, itl_sum=s, itl_count=n), now - age, 0), *health)
-            for url, (load, s, n, age), health in (
-                ("http://a:1", feed, (True, models, None)),
-                ("http://b:1", ((0, 0, 0.0), 0.0, 0, 9.0), (False, {}, "refused")),
-            )
-        }
-        for feed in (
-            ((3, 7, 0.5), 1.0, 100, 0.4),
-            ((3, 7, 0.5), 1.0, 100, 0.4),
-            ((1, 8, 0.6), 3.0, 200, 0.2),
-        )
-    ]
-
-    async def shared() -> dict[str, Shared]:
-        return feeds.pop(0)
-
-    registry = WorkerRegistry(
-        ["http://a:1", "http://b:1"],
-        UpstreamClient(Timeouts(1, 1, 1)),
-        RoundRobin(),
-        shared_readings=shared,
-    )
-    first, second = registry.workers
-    second.healthy = True
-    await registry.read_all_loads()  # health and models come from the reading process too
-    assert first.healthy and first.models == models
-    assert not second.healthy and second.last_error == "refused"
-    taken = first.scrape
-    assert taken is not None and taken.at == now - 0.4 and taken.load.running == 7
-    assert second.scrape is None
-    with registry.lease(first, Cost(prefill=0.1, hold=1.0)):
-        await registry.read_all_loads()  # the same reading again: left as it was taken
-        assert first.scrape is taken
-        await registry.read_all_loads()
-        assert first.scrape.load.running == 8 and first.scrape.own_in_flight == 1
-    assert first.itl_s == pytest.approx(0.02)  # (3.0 - 1.0) / (200 - 100)
-    assert registry.readings(max_age_s=0.3) == {"http://a:1": first.scrape}
-    assert registry.readings(max_age_s=0.1) == {}
-
-
 def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
     registry = WorkerRegistry(
         ["http://a:1", "http://b:1"],
@@ -314,79 +262,3 @@ async def test_requests_sent_while_a_load_read_is_under_way_count_as_the_gateway
             assert reported.external == 0
     finally:
         await client.close()
-
-
-def _sharing(
-    path: Path, index: int, *urls: str, client: UpstreamClient | None = None
-) -> WorkerRegistry:
-    """One of two processes' registries, sharing their counts through the table at `path`."""
-    registry = WorkerRegistry(
-        list(urls),
-        client or UpstreamClient(Timeouts(1, 1, 1)),
-        QueueLength(),
-        HealthPolicy(interval_s=60, timeout_s=1),
-        group=GroupLoad(path, 2, index),
-    )
-    for worker in registry.workers:
-        worker.healthy = True
-    return registry
-
-
-def test_processes_sharing_a_table_route_on_each_others_requests_at_once(tmp_path: Path) -> None:
-    """`serve --processes N`: a request another process just sent is in this one's view before
-    any reading (at exactly full batches two processes otherwise sent to the same last slot)."""
-    first = _sharing(tmp_path / "t", 0, "http://a:1", "http://b:1")
-    second = _sharing(tmp_path / "t", 1, "http://a:1", "http://b:1")
-    a = first.worker("http://a:1")
-    with first.lease(a, Cost(prefill=0.5, hold=1.0)) as lease:
-        seen = {view.name: view for view in second.views()}
-        assert (seen["http://a:1"].in_flight, seen["http://a:1"].own_cost) == (1, 1.5)
-        assert second.worker("http://a:1").in_flight == 0  # its own count stays its own
-        assert all(second.choose(None).url == "http://b:1" for _ in range(20))
-        lease.prefilled()
-        assert second.views()[0].own_cost == pytest.approx(1.0)
-    assert [view.in_flight for view in second.views()] == [0, 0]
-
-
-async def test_a_reading_counts_every_process_s_requests_as_the_gateway_s(
-    scripted: tuple[Script, str], tmp_path: Path
-) -> None:
-    """A worker's figures include the sibling processes' requests: counted as someone else's,
-    they would stand twice in routing's view (in the table, and as external load)."""
-    script, url = scripted
-    script.metrics = b"vllm:num_requests_running 1.0\nvllm:num_requests_waiting 0.0\n"
-    client = UpstreamClient(Timeouts(1, 1, 1))
-    reader = _sharing(tmp_path / "t", 0, url, client=client)
-    sibling = _sharing(tmp_path / "t", 1, url)
-    await client.start()
-    try:
-        worker = reader.workers[0]
-        worker.load_path = FULL_PATH
-        with sibling.lease(sibling.workers[0], Cost(prefill=0.1, hold=1.0)):
-            await reader.read_load(worker)
-        scrape = worker.scrape
-        assert scrape is not None and scrape.own_in_flight == 1
-        reported = worker.reported(time.monotonic())
-        assert reported is not None and reported.external == 0
-        # The sibling takes the reading with the gateway's count at it (siblings.py).
-        shared = reading_from_json(orjson.loads(orjson.dumps(reading_json(scrape))))
-        assert shared == scrape
-    finally:
-        await client.close()
-
-
-def test_a_worker_past_the_tables_columns_is_routed_on_this_process_s_count(
-    tmp_path: Path,
-) -> None:
-    """Columns are not reused (pods come back with new addresses): a worker met once the table
-    is full still serves, counted as before the table was shared."""
-    table = GroupLoad(tmp_path / "t", 2, 0, columns=1)
-    registry = WorkerRegistry(
-        ["http://a:1", "http://b:1"], UpstreamClient(Timeouts(1, 1, 1)), QueueLength(), group=table
-    )
-    shared, alone = registry.workers
-    assert shared.shared is not None and alone.shared is None
-    GroupLoad(tmp_path / "t", 2, 1, columns=1).worker("http://a:1").publish(3, 3.0)  # on a
-    assert shared.gateway_load() == (3, 3.0) and alone.gateway_load() == (0, 0.0)
-    with registry.lease(alone, Cost(prefill=0.0, hold=1.0)):
-        assert alone.gateway_load() == (1, 1.0)

@@ -1,8 +1,8 @@
 """`create_app(settings)`: the gateway as an ASGI app; all it uses is built in its lifespan.
 
-This module wires the parts together: the registry (workers/registry.py), the dispatcher and its
-coordination with sibling processes (workers/coordination.py), the relay (api/relay.py), the
-control routes (api/control.py) and the error handlers (api/error_handlers.py).
+This module wires the parts together: the registry (workers/registry.py), the dispatcher
+(workers/dispatcher.py), the relay (api/relay.py), the control routes (api/control.py) and the
+error handlers (api/error_handlers.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mineru_gateway.api.control import render_metrics
 from mineru_gateway.api.control import router as control_routes
 from mineru_gateway.api.error_handlers import add_error_handlers, send_error
 from mineru_gateway.api.limits import RequestLimits
-from mineru_gateway.api.listeners import Listener, metrics_app, sibling_view
+from mineru_gateway.api.listeners import Listener, metrics_app
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.relay import PATHS, Relay, Scope, Send
 from mineru_gateway.api.requests import Receive
@@ -46,7 +46,6 @@ from mineru_gateway.metrics import (
 )
 from mineru_gateway.reload import CredentialWatcher
 from mineru_gateway.routing import LoadModel, make_policy
-from mineru_gateway.siblings import READER, Siblings
 from mineru_gateway.telemetry import (
     NpuSmiSource,
     NpuTelemetry,
@@ -55,10 +54,8 @@ from mineru_gateway.telemetry import (
     register_npu_metrics,
 )
 from mineru_gateway.tracing.setup import start_tracing, stop_tracing
-from mineru_gateway.workers.coordination import Shared
 from mineru_gateway.workers.discovery import DnsDiscovery
 from mineru_gateway.workers.dispatcher import Dispatcher
-from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.registry import HealthPolicy, WorkerRegistry
 from mineru_gateway.workers.rolling import Restart, RollingRestart
 from mineru_gateway.workers.sweep import Budget
@@ -79,7 +76,6 @@ def build_context(
     settings: GatewaySettings,
     lifecycle: Lifecycle | None = None,
     control: WorkerControl | None = None,
-    siblings: Siblings | None = None,
 ) -> GatewayContext:
     client = UpstreamClient(
         Timeouts(
@@ -94,10 +90,7 @@ def build_context(
         kv_avoid_above=settings.kv_avoid_above,
         waiting_weight=settings.waiting_weight,
     )
-    # Routing and flow control count every process's requests at once, not at the next
-    # reading (benchmarks/results/processes_full_batch.md).
-    table = siblings.group_load() if siblings is not None else None
-    registry = build_registry(settings, client, metrics, load_model, siblings, table)
+    registry = build_registry(settings, client, metrics, load_model)
     metrics.worker_labels.per_worker = per_worker_metrics(settings, registry)
     cost_model = CostModel(
         prefill_weight=settings.prefill_weight,
@@ -109,7 +102,7 @@ def build_context(
         client=client,
         registry=registry,
         rolling=build_rolling(settings, registry, control),
-        dispatcher=build_dispatcher(settings, registry, load_model, siblings, table),
+        dispatcher=build_dispatcher(settings, registry, load_model),
         tenants=TenantDirectory(settings),
         cost_model=cost_model,
         metrics=metrics,
@@ -118,7 +111,6 @@ def build_context(
         limits=request_limits(settings),
         priority_header=settings.priority_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
-        siblings=siblings,
         results=build_result_cache(settings),
     )
 
@@ -138,8 +130,6 @@ def build_registry(
     client: UpstreamClient,
     metrics: GatewayMetrics,
     load_model: LoadModel,
-    siblings: Siblings | None,
-    table: GroupLoad | None,
 ) -> WorkerRegistry:
     return WorkerRegistry(
         settings.workers,
@@ -158,10 +148,6 @@ def build_registry(
         batch_limit=settings.batch_limit,
         metrics=metrics,
         rng=random.Random(),
-        # One process reads the workers for all: each read costs a worker's API server CPU
-        # (benchmarks/results/scrape_cost.md).
-        shared_readings=siblings.readings if siblings and siblings.index != READER else None,
-        group=table,
         sample=settings.routing_sample,
         budget=Budget(settings.max_worker_gets_per_s, settings.max_fleet_gets_per_s),
     )
@@ -200,12 +186,9 @@ def build_dispatcher(
     settings: GatewaySettings,
     registry: WorkerRegistry,
     load_model: LoadModel,
-    siblings: Siblings | None = None,
-    table: GroupLoad | None = None,
 ) -> Dispatcher:
-    """With sibling processes (and `table`, the registry's table of their counts), tenants'
-    limits and shares count every process's requests, and room goes to the most urgent request
-    waiting in any of them (workers/coordination.py)."""
+    """With fleet state on, tenants' limits and shares count every replica's requests
+    (docs/operate/fleet-state.md)."""
     limits = QueueLimits(
         max_queued=settings.max_queued,
         max_queued_bytes=settings.max_queued_bytes,
@@ -217,37 +200,18 @@ def build_dispatcher(
         load=load_model,
     )
     fleet = build_fleet_slots(settings)  # tenants' in-flight slots shared by every replica
-    if siblings is None or table is None:
-        # The other replicas' counts of each tenant, when fleet state is on.
-        shared = build_fleet_tenants(settings, fleet)
-        alone = Dispatcher(
-            registry,
-            FairQueue(limits, elsewhere=shared),
-            room,
-            enabled=settings.flow_control,
-            fleet=fleet,
-            fleet_tenants=shared,
-        )
-        if shared is not None:
-            shared.on_change = alone.pump  # others' counts changed: order and limits may too
-            registry.replicas = shared.replicas  # they share each worker's budget of GETs
-        return alone
-    tenants = siblings.group_tenants()
-    shared = build_fleet_tenants(settings, fleet, tenants, str(siblings.directory), siblings.index)
-    doorbell = siblings.doorbell()
+    shared = build_fleet_tenants(settings, fleet)  # the other replicas' counts of each tenant
     dispatcher = Dispatcher(
         registry,
-        FairQueue(limits, elsewhere=shared or tenants),
+        FairQueue(limits, elsewhere=shared),
         room,
         enabled=settings.flow_control,
-        coordination=Shared(table, siblings.queue_heads(tenants), doorbell.ring),
         fleet=fleet,
         fleet_tenants=shared,
     )
-    doorbell.listen(dispatcher.pump)
     if shared is not None:
-        shared.on_change = dispatcher.pump
-        registry.replicas = shared.replicas
+        shared.on_change = dispatcher.pump  # others' counts changed: order and limits may too
+        registry.replicas = shared.replicas  # they share each worker's budget of GETs
     return dispatcher
 
 
@@ -347,16 +311,14 @@ def create_app(
     settings: GatewaySettings,
     lifecycle: Lifecycle | None = None,
     control: WorkerControl | None = None,
-    siblings: Siblings | None = None,
 ) -> GatewayApp:
     """The gateway; `lifecycle.start_draining()` (on SIGTERM) stops admitting new requests.
-    With `control` (from `up`) it can restart its workers one at a time; with `siblings` it is
-    one of several processes sharing the port (siblings.py)."""
+    With `control` (from `up`) it can restart its workers one at a time."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        running = Running(settings, build_context(settings, lifecycle, control, siblings))
-        await running.start(gateway)
+        running = Running(settings, build_context(settings, lifecycle, control))
+        await running.start()
         try:
             yield running.context.lifespan_state()
         finally:
@@ -369,8 +331,7 @@ def create_app(
     app.include_router(control_routes)
     add_usage_route(app)
     add_error_handlers(app)
-    gateway = GatewayApp(app, relays, request_limits(settings))  # the lifespan's sibling view
-    return gateway
+    return GatewayApp(app, relays, request_limits(settings))
 
 
 class Running:
@@ -379,17 +340,14 @@ class Running:
     def __init__(self, settings: GatewaySettings, context: GatewayContext) -> None:
         self.settings = settings
         self.context = context
-        siblings = context.siblings
-        # One process reads npu-smi for all: each reading takes the driver's time.
-        first = siblings is None or siblings.index == 0
-        self.telemetry = build_telemetry(settings) if first else None
+        self.telemetry = build_telemetry(settings)
         self.discovery = DnsDiscovery(
             context.registry, settings.worker_dns, interval_s=settings.dns_interval_s
         )
         self.listeners: list[Listener] = []
         self.watcher = CredentialWatcher(settings, context.tenants, context.metrics.config_reloads)
 
-    async def start(self, gateway: GatewayApp) -> None:
+    async def start(self) -> None:
         context, settings = self.context, self.settings
         if settings.tracing:
             start_tracing()
@@ -397,7 +355,7 @@ class Running:
             context.lifecycle.on_rolling_restart(_start_rolling(context.rolling))
         register_metrics(context, self.telemetry)
         close_queue_before_deadline(context)
-        self.listeners = self._listeners(gateway)
+        self.listeners = self._listeners()
         for listener in self.listeners:
             await listener.start()
         await context.client.start()
@@ -414,23 +372,18 @@ class Running:
             policy=settings.routing_policy,
         )
 
-    def _listeners(self, gateway: GatewayApp) -> list[Listener]:
-        """A sibling socket with several processes; a metrics port when one is set."""
-        context, settings, siblings = self.context, self.settings, self.context.siblings
-        listeners: list[Listener] = []
-        if siblings is not None:
-            view = sibling_view(gateway, context.lifespan_state())
-            listeners.append(Listener(view, uds=siblings.own_socket))
-        if settings.metrics_port is not None:
-            listeners.append(
-                Listener(
-                    metrics_app(lambda: render_metrics(context, sibling=False)),
-                    host=settings.metrics_host or settings.host,
-                    port=settings.metrics_port,
-                    reuse_port=siblings is not None,
-                )
+    def _listeners(self) -> list[Listener]:
+        """A metrics port when one is set."""
+        context, settings = self.context, self.settings
+        if settings.metrics_port is None:
+            return []
+        return [
+            Listener(
+                metrics_app(lambda: render_metrics(context)),
+                host=settings.metrics_host or settings.host,
+                port=settings.metrics_port,
             )
-        return listeners
+        ]
 
     async def stop(self) -> None:
         context = self.context
@@ -447,8 +400,6 @@ class Running:
         await context.client.close()
         if context.results is not None:
             await context.results.close()
-        if context.siblings is not None:
-            await context.siblings.close()
         if self.settings.tracing:
             await stop_tracing()
 

@@ -18,7 +18,6 @@ from mineru_gateway.api.tenants import TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.cost import CostModel
 from mineru_gateway.metrics import GatewayMetrics
-from mineru_gateway.siblings import Siblings
 from mineru_gateway.workers.dispatcher import Dispatcher
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.rolling import RollingRestart
@@ -79,7 +78,6 @@ class GatewayContext:
     )
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     rolling: RollingRestart | None = None  # when the gateway runs its workers (`up`)
-    siblings: Siblings | None = None  # when the gateway runs as several processes
     results: ResultCache | None = None  # coalescing and the result cache (cache/), when on
 
     def lifespan_state(self) -> dict[str, Any]:

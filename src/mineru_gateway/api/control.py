@@ -1,13 +1,11 @@
 """The gateway's own routes: liveness, readiness, models, metrics, and the workers' control.
 
 `/v1/workers` changes (add, remove, drain, undrain) need an admin key, distinct from every client
-key. A change made in one process of `serve --processes N` is repeated in its siblings, and the
-workers' view adds up every process's counts (siblings.py).
+key.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -22,18 +20,11 @@ from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, gateway_context
 from mineru_gateway.errors import (
     Conflict,
-    GatewayError,
     NoHealthyWorker,
     PermissionDenied,
     ShuttingDown,
     UnknownPath,
     UnknownWorker,
-)
-from mineru_gateway.siblings import (
-    FAMILIES_TYPE,
-    SHARED_READINGS_PATH,
-    SIBLING_SCOPE_KEY,
-    families_json,
 )
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.rolling import RollingRestart
@@ -57,11 +48,6 @@ def json_response(
 
 def _context(request: Request) -> GatewayContext:
     return gateway_context(request.scope)
-
-
-def _from_sibling(request: Request) -> bool:
-    """The request came over a sibling process's socket (siblings.py)."""
-    return bool(request.scope.get(SIBLING_SCOPE_KEY))
 
 
 # -- who may call what ----------------------------------------------------------------------
@@ -123,24 +109,14 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": registry.models()})
 
 
-async def render_metrics(
-    context: GatewayContext, *, sibling: bool, families: bool = False
-) -> bytes:
-    """This process's figures for a sibling's scrape (JSON if it asks for `families`), else
-    the whole gateway's exposition, reused while young next to its cost (metrics.py)."""
-    if sibling:
-        if families:
-            return families_json(context.metrics_registry)
-        return generate_latest(context.metrics_registry)
+async def render_metrics(context: GatewayContext) -> bytes:
+    """The gateway's exposition, reused while young next to its cost (metrics.py)."""
     cache = context.metrics.exposition
     cached = cache.get(time.monotonic())
     if cached is not None:
         return cached
     cpu = time.thread_time()
-    if context.siblings is None:
-        body = generate_latest(context.metrics_registry)
-    else:
-        body = await context.siblings.metrics(context.metrics_registry)
+    body = generate_latest(context.metrics_registry)
     cache.put(body, time.monotonic(), time.thread_time() - cpu)
     return body
 
@@ -149,32 +125,19 @@ async def render_metrics(
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of this gateway (and of the NPUs, when npu_smi is set)."""
     context = _context(request)
-    sibling = _from_sibling(request)
-    if context.settings.metrics_port is not None and not sibling:
+    if context.settings.metrics_port is not None:
         raise UnknownPath(
             "/metrics is served on the metrics listener (MINERU_GATEWAY_METRICS_PORT), "
             "not on this port"
         )
-    families = sibling and request.headers.get("accept") == FAMILIES_TYPE
-    body = await render_metrics(context, sibling=sibling, families=families)
-    return Response(body, media_type=FAMILIES_TYPE if families else CONTENT_TYPE_LATEST)
-
-
-@router.get(SHARED_READINGS_PATH)
-async def readings(request: Request) -> Response:
-    """What this process found of the workers (readings, health, models), for its siblings
-    only (siblings.py): with several processes, the first reads and probes for all."""
-    if not _from_sibling(request):
-        raise UnknownPath(f"{SHARED_READINGS_PATH} is for the gateway's own processes")
-    registry = _context(request).registry
-    return Response(registry.findings.body(registry.workers), media_type="application/json")
+    return Response(await render_metrics(context), media_type=CONTENT_TYPE_LATEST)
 
 
 # -- the workers ----------------------------------------------------------------------------
 @router.get("/v1/workers", dependencies=[Depends(_client_or_admin)])
 async def workers(request: Request) -> Response:
     """Each worker's URL, state, load (own and reported) and last error."""
-    return json_response(await _workers_view(request))
+    return json_response(_describe_workers(_context(request)))
 
 
 @router.post("/v1/workers", dependencies=[Depends(_admin)])
@@ -182,16 +145,14 @@ async def add_worker(request: Request, change: WorkerChange) -> Response:
     """Adds a worker at run time; it takes traffic once its health check passes."""
     registry = _context(request).registry
     await registry.check(registry.add(change.url))
-    await propagate(request)
-    return json_response(await _workers_view(request), 201)
+    return json_response(_describe_workers(_context(request)), 201)
 
 
 @router.delete("/v1/workers", dependencies=[Depends(_admin)])
 async def remove_worker(request: Request, change: WorkerChange) -> Response:
     """Stops routing new requests to a worker; those already there finish normally."""
     _context(request).registry.remove(change.url)
-    await propagate(request)
-    return json_response(await _workers_view(request))
+    return json_response(_describe_workers(_context(request)))
 
 
 @router.post("/v1/workers/drain", dependencies=[Depends(_admin)])
@@ -199,16 +160,14 @@ async def drain_worker(request: Request, change: WorkerChange) -> Response:
     """No new requests to a worker (queued ones go to the others); those on it finish.
     Its `in_flight` in the answer (and in GET /v1/workers) says when it is idle."""
     _known(_context(request), change.url).drain(change.url)
-    await propagate(request)
-    return json_response(await _workers_view(request))
+    return json_response(_describe_workers(_context(request)))
 
 
 @router.post("/v1/workers/undrain", dependencies=[Depends(_admin)])
 async def undrain_worker(request: Request, change: WorkerChange) -> Response:
     """A drained worker takes requests again (once its health check passes)."""
     _known(_context(request), change.url).undrain(change.url)
-    await propagate(request)
-    return json_response(await _workers_view(request))
+    return json_response(_describe_workers(_context(request)))
 
 
 @router.post("/v1/workers/restart", dependencies=[Depends(_admin)])
@@ -247,49 +206,3 @@ def _describe_workers(context: GatewayContext) -> dict[str, Any]:
     now = time.monotonic()
     registry = context.registry
     return {"policy": registry.policy.name, "workers": [w.describe(now) for w in registry.workers]}
-
-
-# -- the sibling processes ------------------------------------------------------------------
-async def _workers_view(request: Request) -> dict[str, Any]:
-    """`_describe_workers`, with the in-flight figures of every process when there are several
-    (a drained worker is idle when no process has a request on it)."""
-    context = _context(request)
-    view = _describe_workers(context)
-    siblings = context.siblings
-    if siblings is None or _from_sibling(request):
-        return view
-    headers = {"authorization": value} if (value := request.headers.get("authorization")) else {}
-    answers = await asyncio.gather(
-        *(siblings.request(index, "GET", "/v1/workers", headers) for index in siblings.others),
-        return_exceptions=True,
-    )
-    by_url = {worker["url"]: worker for worker in view["workers"]}
-    for answer in answers:
-        if isinstance(answer, BaseException) or answer[0] != 200:
-            continue
-        for theirs in orjson.loads(answer[1])["workers"]:
-            ours = by_url.get(theirs["url"])
-            if ours is not None:
-                for key in ("in_flight", "estimated_cost"):
-                    ours[key] += theirs[key]
-    view["processes"] = siblings.count
-    return view
-
-
-async def propagate(request: Request) -> None:
-    """Repeats an operator's change, just applied here, on the other processes."""
-    context = _context(request)
-    if context.siblings is None or _from_sibling(request):
-        return
-    headers = {
-        name: value
-        for name in ("authorization", "content-type")
-        if (value := request.headers.get(name)) is not None
-    }
-    body = await request.body()
-    failed = await context.siblings.forward(request.method, request.url.path, headers, body)
-    if failed:
-        raise GatewayError(
-            f"the change was made in this process but failed in {failed} of the gateway's "
-            f"other {context.siblings.count - 1} processes; see the gateway's log"
-        )

@@ -592,7 +592,7 @@ def _stream_usage(data: bytes) -> dict[str, Any] | None:
 
 class RequestIds:
     """Request ids for requests that bring none: 32 hex digits, a random half per process and a
-    counter, unique among the gateway's processes and replicas (vLLM requires in-flight ids to
+    counter, unique among the gateway's replicas (vLLM requires in-flight ids to
     be unique) at a fraction of uuid4's cost (3% of the CPU of a small request, py-spy)."""
 
     def __init__(self) -> None:

@@ -1,27 +1,26 @@
 """`GET /v1/usage`: what each tenant used, in MinerU's units, for operators (docs/usage.md).
 
-Without a range it answers from the gateway's own counters (accounting.UsageMeter) since its
-processes started, every process's summed when it runs several (each answers for itself over
-its sibling socket, siblings.py). With `?start=&end=` it asks the Prometheus that scrapes the
-gateway (`usage_prometheus_url`) for the counters' increase over that range.
+Without a range it answers from the gateway's own counters (accounting.UsageMeter) since it
+started. With `?start=&end=` it asks the Prometheus that scrapes the gateway
+(`usage_prometheus_url`) for the counters' increase over that range, with the gateway's own
+client (workers/upstream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Iterable
 from typing import Any
+from urllib.parse import urlencode
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from mineru_gateway.api.auth import bearer_match
 from mineru_gateway.api.context import GatewayContext, gateway_context
-from mineru_gateway.errors import GatewayError, InvalidRequest, PermissionDenied, UpstreamError
-from mineru_gateway.siblings import SIBLING_SCOPE_KEY
+from mineru_gateway.errors import InvalidRequest, PermissionDenied, UpstreamError
+from mineru_gateway.workers.upstream import UpstreamClient
 
 PATH = "/v1/usage"
 KEY = ("tenant", "model", "task")
@@ -35,6 +34,7 @@ FIGURES: dict[str, tuple[str, str | None]] = {
     "npu_seconds": ("mineru_gateway_usage_npu_seconds_total", None),
 }
 PROMETHEUS_TIMEOUT_S = 10.0
+FORM = {"content-type": "application/x-www-form-urlencoded"}
 
 
 def add_usage_route(app: FastAPI) -> None:
@@ -49,10 +49,8 @@ async def usage(request: Request) -> Response:
     start, end = request.query_params.get("start"), request.query_params.get("end")
     if start is not None or end is not None:
         body = await _range(context, _instant(start, "start"), _instant(end, "end"))
-    elif request.scope.get(SIBLING_SCOPE_KEY):
-        body = _own(context)
     else:
-        body = await _whole_gateway(context, request)
+        body = _own(context)
     return Response(orjson.dumps(body), media_type="application/json")
 
 
@@ -71,43 +69,7 @@ def _require_admin(context: GatewayContext, request: Request) -> None:
 
 def _own(context: GatewayContext) -> dict[str, Any]:
     meter = context.accounting.usage
-    return {"tenants": meter.rows(), "since": meter.started}
-
-
-async def _whole_gateway(context: GatewayContext, request: Request) -> dict[str, Any]:
-    own = _own(context)
-    parts, since = [own["tenants"]], float(own["since"])
-    siblings = context.siblings
-    if siblings is not None:
-        headers = {"authorization": request.headers.get("authorization", "")}
-        answers = await asyncio.gather(
-            *(siblings.request(index, "GET", PATH, headers) for index in siblings.others),
-            return_exceptions=True,
-        )
-        for answer in answers:
-            if isinstance(answer, BaseException) or answer[0] != 200:
-                raise GatewayError(
-                    "a gateway process did not answer for its usage; try again",
-                    code="usage_incomplete",
-                )
-            theirs = orjson.loads(answer[1])
-            parts.append(theirs["tenants"])
-            since = min(since, float(theirs["since"]))
-    return {"tenants": merge_rows(parts), "since": _iso(since)}
-
-
-def merge_rows(parts: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rows of several processes (or queries) summed by tenant, model and task."""
-    merged: dict[tuple[str, ...], dict[str, Any]] = {}
-    for rows in parts:
-        for row in rows:
-            key = tuple(row[name] for name in KEY)
-            found = merged.setdefault(key, _blank(key))
-            for figure in FIGURES:
-                found[figure] += row.get(figure, 0)
-    for row in merged.values():
-        row["npu_seconds"] = round(float(row["npu_seconds"]), 6)
-    return [merged[key] for key in sorted(merged)]
+    return {"tenants": meter.rows(), "since": _iso(meter.started)}
 
 
 async def _range(context: GatewayContext, start: float, end: float) -> dict[str, Any]:
@@ -120,13 +82,12 @@ async def _range(context: GatewayContext, start: float, end: float) -> dict[str,
     if end <= start:
         raise InvalidRequest("`end` must be after `start`", param="end")
     window = f"{max(1, round(end - start))}s"
-    async with httpx.AsyncClient(timeout=PROMETHEUS_TIMEOUT_S) as client:
-        results = await asyncio.gather(
-            *(
-                _query(client, base, range_query(counter, kind, window), end)
-                for counter, kind in FIGURES.values()
-            )
+    results = await asyncio.gather(
+        *(
+            _query(context.client, base, range_query(counter, kind, window), end)
+            for counter, kind in FIGURES.values()
         )
+    )
     rows: dict[tuple[str, ...], dict[str, Any]] = {}
     for figure, series in zip(FIGURES, results, strict=True):
         for labels, amount in series:
@@ -147,18 +108,25 @@ def range_query(counter: str, kind: str | None, window: str) -> str:
 
 
 async def _query(
-    client: httpx.AsyncClient, base: str, query: str, at: float
+    client: UpstreamClient, base: str, query: str, at: float
 ) -> list[tuple[dict[str, str], float]]:
+    """One instant query, POSTed as a form (Prometheus' HTTP API takes both): one URL for
+    every query, so the client's table of URLs does not grow with them."""
+    form = urlencode({"query": query, "time": f"{at:.3f}"}).encode()
     try:
-        answer = await client.get(
-            base.rstrip("/") + "/api/v1/query", params={"query": query, "time": f"{at:.3f}"}
-        )
-        answer.raise_for_status()
-        result = answer.json()["data"]["result"]
+        async with asyncio.timeout(PROMETHEUS_TIMEOUT_S):
+            answer = await client.post(base.rstrip("/") + "/api/v1/query", form, FORM)
+            try:
+                body = await answer.read()
+            finally:
+                answer.close()
+        if answer.status != 200:
+            raise UpstreamError(f"status {answer.status}")
+        result = orjson.loads(body)["data"]["result"]
         return [(item["metric"], float(item["value"][1])) for item in result]
-    except (httpx.HTTPError, KeyError, TypeError, ValueError) as error:
+    except (TimeoutError, UpstreamError, KeyError, TypeError, ValueError) as error:
         raise UpstreamError(
-            f"Prometheus at {base} did not answer the usage query: {error}",
+            f"Prometheus at {base} did not answer the usage query: {error!r}",
             code="usage_source_unavailable",
         ) from None
 

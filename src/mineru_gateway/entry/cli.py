@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,8 @@ import pydantic
 import structlog
 
 from mineru_gateway import __version__
+from mineru_gateway.api.app import create_app
+from mineru_gateway.api.context import Lifecycle
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.entry import server
 from mineru_gateway.entry.admin import __doc__ as ADMIN_DESCRIPTION
@@ -26,7 +29,6 @@ from mineru_gateway.entry.group import (
     worker_port_taken,
 )
 from mineru_gateway.entry.logs import configure_logging
-from mineru_gateway.entry.processes import run_gateway, run_processes
 from mineru_gateway.sim import add_sim_arguments, create_sim_app, sim_config_from_args
 from mineru_gateway.telemetry import (
     DEFAULT_EXPORTER_PORT,
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     add_group_arguments(up)
-    _add_settings_arguments(up, skip=("workers", "processes"))
+    _add_settings_arguments(up, skip=("workers",))
     up.set_defaults(handler=_up)
 
     worker = commands.add_parser(
@@ -169,8 +171,6 @@ def _serve(args: argparse.Namespace) -> int:
     if _refused("serve", settings):
         return 2
     configure_logging(settings.log_level, settings.log_format)
-    if settings.processes > 1:
-        return run_processes(settings)
     try:  # bound here, so a taken port is one line, not uvicorn's log and exit
         sock = bind_gateway(settings.host, settings.port)
     except OSError as error:
@@ -178,8 +178,22 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mineru-gateway serve: cannot listen on {where}: {error.strerror}", file=sys.stderr)
         return 1
     with sock:
-        run_gateway(settings, sockets=[sock])
+        run_gateway(settings, sock)
     return 0
+
+
+def run_gateway(settings: GatewaySettings, sock: socket.socket) -> None:
+    """The gateway on `sock` until SIGTERM/SIGINT, which first stops it admitting requests."""
+    lifecycle = Lifecycle()
+    server.run(
+        create_app(settings, lifecycle),
+        settings.host,
+        settings.port,
+        graceful_timeout_s=settings.drain_timeout_s,
+        on_signal=lifecycle.start_draining,
+        sockets=[sock],
+        timeouts=server.edge_timeouts(settings),
+    )
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -211,13 +225,6 @@ def _npu_exporter(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, workers=[])
-    if settings.processes > 1:
-        print(
-            "mineru-gateway up: one gateway process only (MINERU_GATEWAY_PROCESSES is for "
-            "`serve`, in front of workers started apart)",
-            file=sys.stderr,
-        )
-        return 2
     if args.engine == "sim" and "allow_no_auth" not in settings.model_fields_set:
         # The embedded default: simulated workers, nothing behind them to protect.
         settings = settings.model_copy(update={"allow_no_auth": True})

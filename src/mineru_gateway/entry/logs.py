@@ -1,6 +1,6 @@
 """Log output, configured once at the program's edge (the CLI); code only calls the loggers.
 
-Events from structlog and records from the standard library's `logging` (asyncio, aiohttp, any
+Events from structlog and records from the standard library's `logging` (asyncio, any
 library's logger that propagates to the root) leave through the same renderer: with the json
 format every line on stderr is one JSON object, as log shippers expect. Fields whose value is
 None are left out: `worker_healthy` says nothing by adding `error=None`.

@@ -2,7 +2,8 @@
 uvloop, stopping cleanly on SIGINT/SIGTERM.
 
 - Startup: the app's ASGI lifespan starts, then the server listens (on host:port, or on sockets
-  handed in: `serve --processes`), then what startup made is frozen out of the collector's way.
+  bound beforehand: `serve` and `up` bind theirs first), then what startup made is frozen out of
+  the collector's way.
 - A signal only asks the server to stop: services are expected to exit 0 on SIGTERM, and `up`
   must stop its workers after the gateway. Stopping: the listening sockets close, idle
   connections close, busy ones after their answer; requests get `graceful_timeout_s` to finish,

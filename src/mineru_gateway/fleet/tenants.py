@@ -1,20 +1,18 @@
 """Tenants' queue counts and shares across replicas: each process's counts in Redis.
 
-A tenant's `max_queued`, `max_queued_bytes` and its fair share count its requests in every process
-of one replica through the siblings' table (workers/group_load.py, `GroupTenants`). Here the
-other replicas' are added (docs/operate/fleet-state.md), as a `flow.TenantsElsewhere`:
+A tenant's `max_queued`, `max_queued_bytes` and its fair share count its requests in this
+replica's queue (flow.py); here the other replicas' are added (docs/operate/fleet-state.md), as a
+`flow.TenantsElsewhere`:
 
-- Every `share_s` each process sends one pipelined round trip: its own (in flight, queued,
+- Every `share_s` each replica sends one pipelined round trip: its own (in flight, queued,
   queued bytes) per tenant, when they changed or every `KEEPALIVE_PERIODS` periods, written to
   a hash of its own with a TTL (a crashed replica's counts vanish with it); and the other
   replicas' totals per tenant, read back in the same script. `others()` reads those totals
   without I/O, so they are up to one period old: a queue limit can be passed by what other
   replicas queued within one period. `max_in_flight` stays exact (fleet/slots.py).
-- A process's hash is named by its replica and its index; the processes of one replica share
-  the replica part, and the script leaves that replica's hashes out of the totals: the
-  siblings' table counts them already, and fresher.
+- A replica's hash is named by its random id; the script leaves its own out of the totals.
 - Tenants' names are never in Redis: a hash of each names its field (as slots.py's keys).
-- Redis down or slow (`timeout_s`): the process counts its replica alone, sets
+- Redis down or slow (`timeout_s`): the replica counts itself alone, sets
   `mineru_gateway_fleet_state_fallback` and logs it; it tries Redis again every `probe_s`.
 """
 
@@ -24,37 +22,35 @@ import asyncio
 import functools
 import hashlib
 import secrets
-import socket
 from collections.abc import Callable
 
 import structlog
 
 from mineru_gateway.fleet.slots import FleetMetrics
-from mineru_gateway.flow import TenantsElsewhere
 from mineru_gateway.redis_link import Argument, RedisLink, RedisReplyError
 
 log = structlog.get_logger("mineru_gateway.fleet")
 
 KEY_PREFIX = "mineru-gateway:fleet:tenants:"
-INDEX_KEY = KEY_PREFIX + "index"  # every process's hash, scored by when it expires
+INDEX_KEY = KEY_PREFIX + "index"  # every replica's hash, scored by when it expires
 KEEPALIVE_PERIODS = 4  # unchanged counts are written again every so many periods
-TTL_PERIODS = 12  # a process's counts outlive three missed keep-alives, no more
+TTL_PERIODS = 12  # a replica's counts outlive three missed keep-alives, no more
 
 Counts = tuple[int, int, int]  # in flight, queued, queued bytes
 
 # Redis's clock in milliseconds (as fleet/slots.py's scripts).
-# KEYS[1] the index, KEYS[2] this process's hash. ARGV: TTL ms, this process's member,
-# its replica's prefix of members, the hashes' key prefix, "1" to write its counts (then
-# field, "in-flight queued bytes" pairs). Returns how many other replicas there are, then
-# their totals, flat: field, in flight, queued, queued bytes, ...
+# KEYS[1] the index, KEYS[2] this replica's hash. ARGV: TTL ms, this replica's member, the
+# hashes' key prefix, "1" to write its counts (then field, "in-flight queued bytes" pairs).
+# Returns how many other replicas there are, then their totals, flat: field, in flight, queued,
+# queued bytes, ...
 _SHARE = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[1])
-if ARGV[5] == '1' then
+if ARGV[4] == '1' then
   redis.call('DEL', KEYS[2])
-  for i = 6, #ARGV, 2 do
+  for i = 5, #ARGV, 2 do
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
   end
   redis.call('PEXPIRE', KEYS[2], ttl)
@@ -62,16 +58,12 @@ if ARGV[5] == '1' then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local own = ARGV[3]
-local totals, order, replicas, others = {}, {}, {}, 0
+local own = ARGV[2]
+local totals, order, others = {}, {}, 0
 for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  if string.sub(member, 1, #own) ~= own then
-    local replica = string.match(member, '^([^:]*):')
-    if replica and not replicas[replica] then
-      replicas[replica] = true
-      others = others + 1
-    end
-    local found = redis.call('HGETALL', ARGV[4] .. member)
+  if member ~= own then
+    others = others + 1
+    local found = redis.call('HGETALL', ARGV[3] .. member)
     for i = 1, #found, 2 do
       local f, q, b = string.match(found[i + 1], '^(%d+) (%d+) (%d+)$')
       if f then
@@ -102,77 +94,56 @@ return reply
 
 @functools.lru_cache(maxsize=65536)
 def tenant_field(name: str) -> bytes:
-    """A tenant's field in a process's hash: a hash of its name, never the name."""
+    """A tenant's field in a replica's hash: a hash of its name, never the name."""
     digest = hashlib.sha256(b"mineru-gateway fleet tenants\0" + name.encode()).hexdigest()
     return digest[:32].encode()
 
 
-def replica_id(directory: str | None = None) -> str:
-    """This replica's id, 16 hex digits: for several processes, one derived from their shared
-    directory (siblings.py; a fresh temporary directory per run) and the host's name, alike in
-    each; for one process, a random one."""
-    if directory is None:
-        return secrets.token_hex(8)
-    seed = f"{socket.gethostname()}\0{directory}".encode()
-    return hashlib.sha256(seed).hexdigest()[:16]
+def replica_id() -> str:
+    """A new replica's id: 16 random hex digits."""
+    return secrets.token_hex(8)
 
 
 class FleetTenants:
-    """`flow.TenantsElsewhere` over every replica (module docstring). `local`: the other
-    processes of this replica (the siblings' table), or None for a replica of one process;
-    `replica`: 16 hex digits shared by this replica's processes, `process` this one's index."""
+    """`flow.TenantsElsewhere` over every replica (module docstring); `replica`: this one's id
+    (`replica_id`)."""
 
     def __init__(
         self,
         url: str,
-        local: TenantsElsewhere | None,
         *,
         replica: str,
-        process: int = 0,
         share_s: float = 0.25,
         timeout_s: float = 0.05,
         probe_s: float = 1.0,
         metrics: FleetMetrics | None = None,
     ) -> None:
         self._redis = RedisLink(url, connect_timeout_s=timeout_s)
-        self._local = local
-        self._member = f"{replica}:{process}"
-        self._own = f"{replica}:"
+        self._member = replica
         self._ttl_ms = max(1, int(share_s * TTL_PERIODS * 1000))
         self.share_s = share_s
         self.timeout_s = timeout_s
         self.probe_s = probe_s
-        self._mine: dict[str, Counts] = {}  # this process's counts, tenants with any
+        self._mine: dict[str, Counts] = {}  # this replica's counts, tenants with any
         self._remote: dict[bytes, Counts] = {}  # other replicas' totals, by tenant field
-        self._other_replicas = 0  # replicas, other than this one, with a process sharing
+        self._other_replicas = 0  # replicas, other than this one, sharing
         self._dirty = True
-        self._unwritten = 0  # periods since this process's counts were last written
+        self._unwritten = 0  # periods since this replica's counts were last written
         self._share = self._redis.script(_SHARE)
         self._task: asyncio.Task[None] | None = None
         self.fallback = False
         self.metrics = metrics or FleetMetrics()  # fleet/slots.py's, when both run
         # Called when the others' totals changed: a queue waits on events, and a tenant's
-        # order or limits may have moved with no event of this process's.
+        # order or limits may have moved with no event of this replica's.
         self.on_change: Callable[[], None] | None = None
 
     # -- flow.TenantsElsewhere ----------------------------------------------------------------
     def others(self, tenant: str) -> Counts:
-        local = (0, 0, 0) if self._local is None else self._local.others(tenant)
         if not self._remote:
-            return local
-        remote = self._remote.get(tenant_field(tenant))
-        if remote is None:
-            return local
-        return local[0] + remote[0], local[1] + remote[1], local[2] + remote[2]
-
-    def in_flight_limited(self, tenant: str) -> int:
-        """This replica's other processes' only: across replicas the slots hold the limit
-        exactly (slots.py), so other replicas' counts would count it twice."""
-        return 0 if self._local is None else self._local.in_flight_limited(tenant)
+            return (0, 0, 0)
+        return self._remote.get(tenant_field(tenant), (0, 0, 0))
 
     def publish(self, tenant: str, in_flight: int, queued: int, queued_bytes: int) -> None:
-        if self._local is not None:
-            self._local.publish(tenant, in_flight, queued, queued_bytes)
         if in_flight or queued or queued_bytes:
             self._mine[tenant] = (in_flight, queued, queued_bytes)
         elif self._mine.pop(tenant, None) is None:
@@ -192,12 +163,12 @@ class FleetTenants:
             await self.exchange()
 
     async def exchange(self) -> None:
-        """One round trip: this process's counts (when changed, or due for a keep-alive, or
+        """One round trip: this replica's counts (when changed, or due for a keep-alive, or
         Redis is back) and the other replicas' totals."""
         write = self._dirty or self.fallback or self._unwritten + 1 >= KEEPALIVE_PERIODS
         self._dirty = False  # a publish during the round trip marks it again
         command: list[Argument] = [b"EVALSHA", self._share, 2, INDEX_KEY, KEY_PREFIX + self._member]
-        command += [self._ttl_ms, self._member, self._own, KEY_PREFIX, b"1" if write else b"0"]
+        command += [self._ttl_ms, self._member, KEY_PREFIX, b"1" if write else b"0"]
         if write:
             for tenant, (in_flight, queued, size) in self._mine.items():
                 command += [tenant_field(tenant), b"%d %d %d" % (in_flight, queued, size)]
@@ -233,7 +204,7 @@ class FleetTenants:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def close(self) -> None:
-        """Stops sharing; this process's counts are taken out of Redis (when it answers)."""
+        """Stops sharing; this replica's counts are taken out of Redis (when it answers)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -12,9 +12,6 @@ request ends one way: served, shed (429 `Retry-After`), timed out in the queue (
 because no worker is healthy (503) or because the gateway is shutting down (503), or left by its
 client (taken out of the queue at once).
 
-With sibling processes (`serve --processes N`) every decision also goes through `coordination`
-(coordination.py): the one place the dispatcher meets the other processes.
-
 With fleet state (`fleet`, fleet/slots.py), a request of a tenant with `max_in_flight` also needs
 one of the tenant's slots in Redis, shared by every replica, before it may go to a worker: taken
 as it arrives (one round trip), or, when the tenant is at its limit fleet-wide, asked for again
@@ -48,9 +45,7 @@ from mineru_gateway.flow import (
     TenantPolicy,
     Ticket,
 )
-from mineru_gateway.routing import WorkerView
 from mineru_gateway.values import value
-from mineru_gateway.workers.coordination import ALONE, Coordination
 from mineru_gateway.workers.fleet_index import ANY_ROOM
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
 
@@ -114,16 +109,13 @@ class Dispatcher:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        coordination: Coordination = ALONE,
         fleet: FleetSlots | None = None,
         fleet_tenants: FleetTenants | None = None,
     ) -> None:
-        """`coordination`: how decisions agree with the sibling processes (coordination.py);
-        `ALONE` for a gateway of one process. `fleet`: tenants' in-flight slots shared by
+        """`fleet`: tenants' in-flight slots shared by
         every replica; None counts them in this process only. `fleet_tenants`: the queue's
         counts shared with the other replicas (started and stopped with the dispatcher)."""
         self.registry = registry
-        self.coordination = coordination
         self.fleet = fleet
         self.fleet_tenants = fleet_tenants
         self.queue = queue
@@ -139,7 +131,6 @@ class Dispatcher:
         self._pumping = False
         self._closed: GatewayError | None = None
         self._served: frozenset[str] = frozenset()
-        self._poll: asyncio.TimerHandle | None = None  # `_look_again`'s next pump
         registry.on_change(self.pump)
 
     def now(self) -> float:
@@ -174,8 +165,7 @@ class Dispatcher:
         # Without fleet state no slot is taken: no coroutine to make and await for one.
         permit = None if self.fleet is None else await self._take_slot(admission.tenant)
         try:
-            with self.coordination.deciding():
-                now = self._now_or_ticket(admission, permit)
+            now = self._now_or_ticket(admission, permit)
         except BaseException:
             self.give_back(permit)
             raise
@@ -278,7 +268,6 @@ class Dispatcher:
             and slotted
             and self.queue.is_idle()
             and self.queue.may_start(admission.tenant)
-            and not self._gives_way(ticket, offer.views)
         ):
             worker = self.registry.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True, permit=permit)
@@ -315,28 +304,26 @@ class Dispatcher:
         """Another worker for a request whose attempt failed before any byte of an answer: at
         once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
         untried worker is left."""
-        with self.coordination.deciding():
-            worker = self.registry.choose(admission.model, exclude, self.room)
-            permit, grant.permit = grant.permit, None  # the request keeps its slot
-            grant.release()
-            return self._grant(
-                grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
-            )
+        worker = self.registry.choose(admission.model, exclude, self.room)
+        permit, grant.permit = grant.permit, None  # the request keeps its slot
+        grant.release()
+        return self._grant(
+            grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
+        )
 
     async def bounce(self, grant: Grant, admission: Admission, retry_after_s: float) -> Grant:
         """Another place for a request whose worker refused it because its own queue is full
         (that worker is held back, health.py): at once on a worker with room, else back in the
         queue, where it waits under its usual limits. Without flow control there is no queue:
         raises WorkersBusy when no worker has room."""
-        with self.coordination.deciding():
-            offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
-            if offer.roomy:
-                worker = self.registry.choose_among(offer.views)
-                permit, grant.permit = grant.permit, None  # the request keeps its slot
-                grant.release()
-                return self._grant(
-                    grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
-                )
+        offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
+        if offer.roomy:
+            worker = self.registry.choose_among(offer.views)
+            permit, grant.permit = grant.permit, None  # the request keeps its slot
+            grant.release()
+            return self._grant(
+                grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
+            )
         grant.release()
         if not self.enabled:
             raise WorkersBusy(
@@ -354,16 +341,11 @@ class Dispatcher:
             future.result().release()
         else:
             self._remove(ticket)
-            self._withdrawn()
 
     def _remove(self, ticket: Ticket) -> None:
         """Takes a ticket out of the queue unserved; its fleet-wide slot goes back."""
         self.queue.remove(ticket)
         self._trim_spare(ticket.name)
-
-    def _withdrawn(self) -> None:
-        """A request left the queue unserved: the head posted for the siblings may be it."""
-        self.coordination.post_head(self.queue)
 
     # -- serving the queue ----------------------------------------------------------------
     def pump(self) -> None:
@@ -377,40 +359,10 @@ class Dispatcher:
                 self._serve()
             finally:
                 self._pumping = False
-            self._look_again()
-        if self.queue.is_idle():
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        """Room may have appeared (a request of this process ended) that nothing here waits
-        for: sibling processes with requests waiting look at once."""
-        self.coordination.hand_over()
-
-    def _look_again(self) -> None:
-        """Room a sibling process's request leaves shows in the shared table, not as an event
-        here: while requests wait, pump again every `coordination.poll_s` in case a ring is
-        lost or the room shows only in a reading."""
-        poll = self.coordination.poll_s
-        if self._poll is None and poll is not None and not self.queue.is_idle():
-            self._poll = asyncio.get_running_loop().call_later(poll, self._polled)
-
-    def _polled(self) -> None:
-        self._poll = None
-        self.pump()
 
     def _serve(self) -> None:
-        # One hold of the decision lock for the whole run of grants (each is synchronous): no
-        # sibling decides in between, so the head is posted once, after the last.
-        coordination = self.coordination
-        with coordination.deciding():
-            while not self.queue.is_idle() and self._serve_one():
-                pass
-            coordination.post_head(self.queue)
-
-    def _gives_way(self, ticket: Ticket, roomy: list[WorkerView]) -> bool:
-        """Whether the room there is belongs to more urgent requests waiting in sibling
-        processes (coordination.py)."""
-        return self.coordination.gives_way(ticket, roomy, self.queue, self.room)
+        while not self.queue.is_idle() and self._serve_one():
+            pass
 
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False
@@ -430,7 +382,7 @@ class Dispatcher:
         if ticket is None:
             return False
         offer = self.registry.offer(ticket.model, self.room)
-        if not offer.roomy or self._gives_way(ticket, offer.views):
+        if not offer.roomy:
             return False
         waiter = _waiter(ticket)
         self._stop_timer(ticket)
@@ -482,7 +434,6 @@ class Dispatcher:
 
     def _fail(self, ticket: Ticket, error: GatewayError) -> None:
         self._remove(ticket)
-        self._withdrawn()
         self._stop_timer(ticket)
         waiter = _waiter(ticket)
         if not waiter.future.done():

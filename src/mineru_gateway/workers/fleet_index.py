@@ -8,12 +8,10 @@ taken or released, a reading, a probe, a drain (`mark`). A decision draws `sampl
 the roomy bag (power of d choices) and hands their fresh views to the routing policy; with no
 more roomy workers than `sample`, that is all of them, as exact as a walk.
 
-What changes without an event here is caught at the draw: a sibling process's requests (shared
-counts, group_load.py) can fill a worker the bag still calls roomy, so each drawn view is
-checked again and a full one moves bags. The other way round, room a sibling leaves (or a
-reading that ages out) shows at the worker's next reading, or, when no roomy worker is left,
-by looking at the full workers again: at once when a sibling's count fell since the last look
-(`releases`), else at most every `rescan_s`.
+What changes without an event here is caught at the draw: a worker's view also depends on the
+clock (its reading ages), so each drawn view is checked again and a full one moves bags. The
+other way round, room a reading that ages out leaves shows at the worker's next reading, or,
+when no roomy worker is left, by looking at the full workers again, at most every `rescan_s`.
 
 Connections: a worker with no request of this process on it, whose last request here ended
 less than a keep-alive ago, holds an idle connection from this process. The index keeps those
@@ -119,13 +117,9 @@ class FleetIndex:
         rng: random.Random,
         sample: int,
         rescan_s: float = RESCAN_S,
-        releases: Callable[[], int] | None = None,
     ) -> None:
-        """`build(worker, now)` is a worker's view now; `sample` the workers a decision draws;
-        `releases()` changes whenever a sibling process's count fell (group_load.py)."""
+        """`build(worker, now)` is a worker's view now; `sample` the workers a decision draws."""
         self._membership = membership
-        self._releases = releases
-        self._released = -1
         self._build = build
         self._rng = rng
         self.sample = sample
@@ -200,10 +194,9 @@ class FleetIndex:
     def _rescan(self, now: float) -> bool:
         """Whether to look at the full workers again (no roomy one is left), for room no event
         here told of (module docstring); they are marked if so."""
-        released = self._released if self._releases is None else self._releases()
-        if released == self._released and now - self._rescanned < self._rescan_s:
+        if now - self._rescanned < self._rescan_s:
             return False
-        self._released, self._rescanned = released, now
+        self._rescanned = now
         for worker in self._pools[None].full.items:
             self._dirty[worker.url] = worker
         return True
@@ -242,8 +235,8 @@ class FleetIndex:
     def _draw_roomy(
         self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
     ) -> list[WorkerView]:
-        """Fresh views of up to `sample` roomy workers, each checked again: one found full (a
-        sibling's requests, module docstring) moves bags and another is drawn, a few times."""
+        """Fresh views of up to `sample` roomy workers, each checked again: one found full
+        (module docstring) moves bags and another is drawn, a few times."""
         views = self._warm(pool, room, skip, now)
         seen = set(skip).union(view.name for view in views)
         for _ in range(4):

@@ -27,7 +27,7 @@ from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.vllm_contract import LOAD_PATH
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.worker import Shared, Worker
+from mineru_gateway.workers.worker import Worker
 
 log = structlog.get_logger("mineru_gateway.registry")
 
@@ -162,12 +162,6 @@ class Health:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(worker) for worker in self._membership.workers))
-
-    def take_shared(self, worker: Worker, known: Shared) -> None:
-        """What the process that probes for all found (siblings.py)."""
-        self._take_models(worker, known.models)
-        if known.healthy != worker.healthy:
-            self.set_health(worker, known.healthy, known.error)
 
     def _take_models(self, worker: Worker, models: dict[str, dict[str, Any]]) -> None:
         if models is worker.models or models == worker.models:

@@ -4,16 +4,13 @@ Routing and flow control count the gateway's own requests at once (`Lease`); the
 queues, which include everyone else's requests, come from here every `interval_s` or less
 often, as the registry's budget allows (docs/architecture.md, docs/operate/fleet-scale.md).
 Each reading is corrected for the gateway's requests sent while it was under way, teaches a
-worker's pace (inter-token latency) and batch size, and is shared: with `serve --processes N`
-one process reads the workers for all and the others take its readings (siblings.py), so each
-worker's API server serves one read per interval.
+worker's pace (inter-token latency) and batch size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -21,14 +18,11 @@ from mineru_gateway.errors import GatewayError, UpstreamStatusError
 from mineru_gateway.vllm_contract import FULL_PATH, VllmLoad, parse_vllm_load
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import UpstreamClient
-from mineru_gateway.workers.worker import Reading, Scrape, Shared, Worker
+from mineru_gateway.workers.worker import Reading, Scrape, Worker
 
 log = structlog.get_logger("mineru_gateway.registry")
 
 ITL_SMOOTHING = 0.3
-
-# Another process's findings (siblings.py): each worker's reading, health and models.
-SharedReadings = Callable[[], Awaitable[dict[str, Shared]]]
 
 
 class LoadReader:
@@ -45,17 +39,9 @@ class LoadReader:
         workers = self._membership.workers
         await asyncio.gather(*(self.read(w) for w in workers if w.healthy))
 
-    def take_shared(self, worker: Worker, reading: Scrape) -> None:
-        # The reader's count at its read is the whole gateway's where the worker's counts are
-        # shared (a full table leaves a worker out: then this process's own count is the best
-        # there is, as the reader's is for the reader).
-        shared = worker.shared is not None
-        take(worker, reading, reading.own_in_flight if shared else worker.in_flight)
-
     async def read(self, worker: Worker) -> bool:
         """Reads `worker`'s load; whether a reading was taken."""
         own, leased, path = worker.in_flight, worker.leased, worker.load_path
-        siblings = worker.siblings_load()[0]
         why = "the filtered read has no load series"
         try:
             text = await self._client.get_ok(worker.url + path, self._timeout)
@@ -73,9 +59,6 @@ class LoadReader:
             # is full. Ours that ended meanwhile stay
             # counted: that can only hide someone else's request, never make up one.
             own += worker.leased - leased
-            # The same for the sibling processes' (whose sends during the read are not known
-            # one by one): the larger of their counts before and after it.
-            own += max(siblings, worker.siblings_load()[0])
             worker.read_at = time.monotonic()
             take(worker, Reading(load, worker.read_at), own)
             return True
@@ -87,23 +70,12 @@ class LoadReader:
             return await self.read(worker)
         return False
 
-    def readings(self, max_age_s: float) -> dict[str, Scrape]:
-        """The latest load figures of each worker read within `max_age_s`, with the gateway's
-        count when they were read, for the gateway's other processes (time.monotonic() is one
-        clock for every process of a host)."""
-        oldest = time.monotonic() - max_age_s
-        return {
-            worker.url: worker.scrape
-            for worker in self._membership.workers
-            if worker.scrape is not None and worker.scrape.at >= oldest
-        }
-
 
 def take(worker: Worker, reading: Reading, own: int) -> None:
     """`reading` becomes the worker's figures, `own` the gateway's count at it; what it teaches
     (pace, batch size) is learnt from it against the previous one."""
     if worker.scrape is not None and worker.scrape.at >= reading.at:
-        return  # a reading already taken (shared readings are fetched more than once)
+        return  # a reading already taken
     learn_pace(worker, reading.load)
     learn_batch(worker, reading.load)
     worker.scrape = Scrape(reading.load, reading.at, own)

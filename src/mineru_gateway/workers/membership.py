@@ -17,17 +17,13 @@ from typing import Any
 import structlog
 
 from mineru_gateway.metrics import WorkerGauges
-from mineru_gateway.workers.group_load import GroupFull, GroupLoad
 from mineru_gateway.workers.worker import Worker
 
 log = structlog.get_logger("mineru_gateway.registry")
 
 
 class Membership:
-    def __init__(self, urls: Iterable[str], group: GroupLoad | None = None) -> None:
-        """With `group`, each worker's counts are shared with the sibling processes
-        (group_load.py)."""
-        self._group = group
+    def __init__(self, urls: Iterable[str]) -> None:
         self._watchers: list[Callable[[Worker], None]] = []
         self._listed: list[Worker] | None = None
         self.by_url = {url: self._new_worker(url) for url in urls}
@@ -37,10 +33,6 @@ class Membership:
         """`listener()` runs whenever a worker may have gained room: a request ended, fresh load
         figures arrived, a worker's health or membership changed (flow control pumps on it)."""
         self._listeners.append(listener)
-
-    def releases(self) -> Callable[[], int] | None:
-        """What changes when a sibling process's count on a worker falls (group_load.py)."""
-        return None if self._group is None else self._group.releases
 
     def watch(self, watcher: Callable[[Worker], None]) -> None:
         """`watcher(worker)` runs whenever something about `worker` changed, its counts too."""
@@ -82,21 +74,12 @@ class Membership:
         return worker
 
     def _new_worker(self, url: str) -> Worker:
-        worker = Worker(url, watcher=self.mark)
-        if self._group is not None:
-            try:
-                worker.shared = self._group.worker(url)
-            except GroupFull as full:
-                # Routed on this process's own count plus the readings, like a gateway of one.
-                log.warning("worker_counts_not_shared", worker=url, reason=str(full))
-        return worker
+        return Worker(url, watcher=self.mark)
 
     def remove(self, url: str) -> None:
         """Stops routing to `url`; requests already there finish normally."""
         worker = self.by_url.pop(url, None)
         self._listed = None
-        if worker is not None and self._group is not None:
-            self._group.release(url)
         self.changed(*([] if worker is None else [worker]))
 
     def drain(self, url: str) -> Worker:

@@ -9,9 +9,7 @@
   among a few workers drawn from the index of those with room (fleet_index.py);
 
 and runs the probes and reads: round the workers, each at its own phase, every `interval_s` /
-`load_interval_s` or less often, as the budget of GETs allows (sweep.py). With sibling
-processes, one process reads and probes for all and the others take what it found
-(`shared_readings`, siblings.py): a worker's API server answers one replica, not each process.
+`load_interval_s` or less often, as the budget of GETs allows (sweep.py).
 `Worker` and `Lease` (worker.py) are one worker's state and a request's place on it.
 """
 
@@ -26,18 +24,15 @@ from typing import Any
 from mineru_gateway.cost import Cost
 from mineru_gateway.errors import GatewayError
 from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
-from mineru_gateway.periodic import Periodic, stop_all
 from mineru_gateway.routing import LoadModel, RoutingPolicy, WorkerView
-from mineru_gateway.siblings import Findings
 from mineru_gateway.workers.fleet_index import ANY_ROOM, Offer, RoomCheck
-from mineru_gateway.workers.group_load import GroupLoad
 from mineru_gateway.workers.health import MODELS_EVERY_S, SUCCESS, Health, HealthPolicy, Outcome
-from mineru_gateway.workers.loads import LoadReader, SharedReadings, learn_batch
+from mineru_gateway.workers.loads import LoadReader, learn_batch
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.sweep import Budget, Sweep
 from mineru_gateway.workers.upstream import UpstreamClient
 from mineru_gateway.workers.views import SAMPLE, RoutingViews
-from mineru_gateway.workers.worker import Lease, Reading, Scrape, Shared, Worker
+from mineru_gateway.workers.worker import Lease, Reading, Scrape, Worker
 
 __all__ = [
     "SUCCESS",
@@ -47,7 +42,6 @@ __all__ = [
     "Outcome",
     "Reading",
     "Scrape",
-    "Shared",
     "Worker",
     "WorkerRegistry",
     "learn_batch",
@@ -67,27 +61,20 @@ class WorkerRegistry:
         batch_limit: int | None = None,
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
-        shared_readings: SharedReadings | None = None,
         load: LoadModel | None = None,
-        group: GroupLoad | None = None,
         sample: int = SAMPLE,
         budget: Budget | None = None,
     ) -> None:
-        """With `shared_readings`, the workers' load figures and health come from another
-        gateway process's reads and probes (loads.py). With `group`, routing and flow control
-        count every process's requests (group_load.py). `budget`: the GETs this replica may
-        send the workers (sweep.py); none, no limit."""
+        """`budget`: the GETs this replica may send the workers (sweep.py); none, no limit."""
         metrics = metrics or GatewayMetrics()
         self.health = health or HealthPolicy()
         self.budget = budget or Budget()
         # The gateway's replicas that share the per-worker budget (fleet state counts them:
         # fleet/tenants.py); without fleet state this replica takes it all.
         self.replicas: Callable[[], int] = _alone
-        self.membership = Membership(urls, group)
+        self.membership = Membership(urls)
         self.checks = Health(self.membership, client, self.health, metrics)
         self.loads = LoadReader(self.membership, client, load_interval_s)
-        self._shared_readings = shared_readings
-        self.findings = Findings()  # what this process found, for its siblings (siblings.py)
         self.routing = RoutingViews(
             self.membership,
             policy,
@@ -99,7 +86,6 @@ class WorkerRegistry:
             batch_limit=batch_limit,
             sample=sample,
         )
-        self._loops: list[Periodic] = []
         self._sweeps: list[Sweep] = []
 
     @property
@@ -192,24 +178,9 @@ class WorkerRegistry:
             self.membership.changed()
 
     async def read_all_loads(self) -> None:
-        """Every healthy worker's load now, or the reading process's findings (siblings)."""
-        if self._shared_readings is not None:
-            self.take_shared(await self._shared_readings())
-        else:
-            await self.loads.read_all()
+        """Every healthy worker's load now."""
+        await self.loads.read_all()
         self.membership.changed()
-
-    def take_shared(self, found: dict[str, Shared]) -> None:
-        """The reading process's findings: each worker's health, models and reading."""
-        for worker in self.membership.workers:
-            known = found.get(worker.url)
-            if known is not None:
-                self.checks.take_shared(worker, known)
-                if known.scrape is not None and worker.healthy:
-                    self.loads.take_shared(worker, known.scrape)
-
-    def readings(self, max_age_s: float) -> dict[str, Scrape]:
-        return self.loads.readings(max_age_s)
 
     # -- the budget ------------------------------------------------------------------------
     def probe_period(self, workers: int) -> float:
@@ -244,15 +215,8 @@ class WorkerRegistry:
     # -- the loops -------------------------------------------------------------------------
     async def start(self) -> None:
         """Probes every worker once (so the first requests find them), then keeps probing and
-        reading, each worker at its own phase; a sibling process takes the reader's findings
-        instead (module docstring)."""
+        reading, each worker at its own phase."""
         await self.check_all()
-        if self._shared_readings is not None:
-            period = self.read_period(len(self.membership.by_url))
-            self._loops = [Periodic("load", period, self._take_shared)]
-            for loop in self._loops:
-                loop.start()
-            return
         self._sweeps = [
             Sweep("workers", self.membership.workers_list, self._visit_period, self._visit)
         ]
@@ -280,14 +244,7 @@ class WorkerRegistry:
         if worker.healthy:
             await self.read_load(worker)
 
-    async def _take_shared(self) -> None:
-        await self.read_all_loads()
-        for loop in self._loops:  # the period follows the fleet's size
-            loop.interval_s = self.read_period(len(self.membership.by_url))
-
     async def stop(self) -> None:
-        await stop_all(self._loops)
-        self._loops = []
         for sweep in self._sweeps:
             await sweep.stop()
         self._sweeps = []

@@ -26,9 +26,9 @@ TICK_S = 0.05  # at most this long between two ticks of a sweep (one timer, not 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """How many GETs one gateway replica (all its processes: one of them reads and probes)
-    may send: to each worker, and to the whole fleet, per second. A worker's period is the
-    longest of its configured interval and what the budgets allow (docs/operate/fleet-scale.md).
+    """How many GETs one gateway replica may send: to each worker, and to the whole fleet, per
+    second. A worker's period is the longest of its configured interval and what the budgets
+    allow (docs/operate/fleet-scale.md).
     """
 
     per_worker: float | None = None  # GETs per second to one worker; None: no limit

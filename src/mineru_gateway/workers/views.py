@@ -61,7 +61,7 @@ class RoutingViews:
         self._batch_limit = batch_limit
         self._slowness: dict[str, float] = {}
         self._paced_at = -float("inf")
-        self.index = FleetIndex(membership, self._view, rng, sample, releases=membership.releases())
+        self.index = FleetIndex(membership, self._view, rng, sample)
 
     def read_every(self, period_s: float) -> None:
         """Readings come every `period_s` (the budget stretches it with the fleet's size,

@@ -2,8 +2,7 @@
 
 A `Worker` holds what the registry's parts learn of one worker (health, models, load) and owns
 its counts: a `Lease` changes them only through the worker's `hold` / `prefilled` / `let_go`,
-which also publish them to the sibling processes' table when there is one
-(docs/architecture.md, "Several processes on one port").
+which also tell its watcher (the routing index) to place it again.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any, NamedTuple
 from mineru_gateway.cost import Cost
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 from mineru_gateway.vllm_contract import FULL_PATH, LOAD_PATH, VllmLoad
-from mineru_gateway.workers.group_load import WorkerColumn
 from mineru_gateway.workers.upstream import KEEPALIVE_S
 
 # A worker's connection from this process counts as kept alive (`WorkerView.warm`) for this
@@ -39,20 +37,9 @@ class Reading:
 
 @dataclass(frozen=True, slots=True)
 class Scrape(Reading):
-    """A reading taken into this gateway's view, with its own count at that moment (all its
-    processes' where they share a `GroupLoad`)."""
+    """A reading taken into this gateway's view, with its own count at that moment."""
 
     own_in_flight: int
-
-
-@dataclass(frozen=True, slots=True)
-class Shared:
-    """What the process that reads and probes the workers tells its siblings of one worker."""
-
-    scrape: Scrape | None
-    healthy: bool
-    models: dict[str, dict[str, Any]]
-    error: str | None
 
 
 class _BuiltView(NamedTuple):
@@ -95,8 +82,6 @@ class Worker:
     # This process's last request there ended (time.monotonic()): its connection is kept
     # alive a while, and routing prefers such a worker among equals (fleet_index.py).
     released_at: float = -math.inf
-    # With `serve --processes N`: the worker's column of every process's counts (group_load.py).
-    shared: WorkerColumn | None = field(default=None, repr=False, compare=False)
     # Told of every change of its counts: the routing index (fleet_index.py) moves it then.
     watcher: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
     _view: _BuiltView | None = field(default=None, repr=False, compare=False)
@@ -106,12 +91,12 @@ class Worker:
         self.in_flight += 1
         self.leased += 1
         self.own_cost += cost.total
-        self.publish()
+        self.changed()
 
     def prefilled(self, cost: Cost) -> None:
         """A request's prompt is no longer queued work on the worker (its first byte came)."""
         self.own_cost = max(0.0, self.own_cost - cost.prefill)
-        self.publish()
+        self.changed()
 
     def let_go(self, cost: Cost, prefill_done: bool, now: float) -> None:
         """A request left the worker: what it still held of its cost goes with it."""
@@ -119,32 +104,12 @@ class Worker:
         self.released_at = now
         held = cost.hold if prefill_done else cost.total
         self.own_cost = max(0.0, self.own_cost - held) if self.in_flight else 0.0
-        self.publish()
-
-    def publish(self) -> None:
-        """This process's count and cost on the worker, for its sibling processes to see and
-        its watcher to place it by."""
-        if self.shared is not None:
-            self.shared.publish(self.in_flight, self.own_cost)
         self.changed()
 
     def changed(self) -> None:
         """Something routing sees of the worker changed: its watcher places it again."""
         if self.watcher is not None:
             self.watcher(self)
-
-    def siblings_load(self) -> tuple[int, float]:
-        """The sibling processes' requests on the worker and their cost (group_load.py)."""
-        return (0, 0.0) if self.shared is None else self.shared.others()
-
-    def gateway_load(self) -> tuple[int, float]:
-        """The gateway's requests on the worker and their cost: this process's and its
-        siblings'. Asked for every worker on every request (`view`): one call, with no
-        siblings to add for a gateway of one process."""
-        if self.shared is None:
-            return self.in_flight, self.own_cost
-        count, cost = self.shared.others()
-        return self.in_flight + count, self.own_cost + cost
 
     @property
     def routable(self) -> bool:
@@ -170,7 +135,7 @@ class Worker:
         config.py): until then the reading goes in, from then on none.
         """
         scrape, built, routable = self.scrape, self._view, self.routable
-        in_flight, cost = self.gateway_load()
+        in_flight, cost = self.in_flight, self.own_cost
         warm = now - self.released_at < WARM_S
         limit, limit_until = self.queue_limit(now)
         held = limit is not None and in_flight >= limit
