@@ -37,10 +37,21 @@ def test_every_imported_library_is_a_declared_dependency() -> None:
         reachable.update(_name(r) for r in metadata.requires(name) or () if "extra ==" not in r)
     distributions = metadata.packages_distributions()
     imported = _imported_top_level()
-    assert "httpx" in imported and "fastapi" in imported  # the walk sees the imports
+    assert "httptools" in imported and "fastapi" in imported  # the walk sees the imports
     missing = {
         module: distributions.get(module)
         for module in imported
         if not {_name(d) for d in distributions.get(module, [])} & reachable
     }
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+
+
+def test_the_gateway_speaks_http_with_its_own_client_and_server_only() -> None:
+    """Every HTTP the gateway speaks at run time (clients, workers, the metrics port, the admin
+    command, Prometheus, the supervisor's probes) goes through its own HTTP/1.1 client and
+    server protocol (workers/http1.py, api/connection.py): no second client or server library
+    is imported, and none is a runtime dependency."""
+    others = {"aiohttp", "httpx", "uvicorn", "requests", "urllib3", "h11"}
+    assert not _imported_top_level() & others
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not {_name(requirement) for requirement in project["dependencies"]} & others

@@ -14,16 +14,20 @@ no gateway there.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
-import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from mineru_gateway.workers.http1 import ConnectFailed, Disconnected, Http1Pool, Malformed
+from mineru_gateway.workers.upstream import KEEPALIVE_S
 
 DEFAULT_GATEWAY = "http://127.0.0.1:30000"
 POLL_S = 0.5
+TIMEOUT_S = 30.0  # one call to the gateway, its connection included
 
 
 def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,46 +56,93 @@ def add_admin_arguments(parser: argparse.ArgumentParser) -> None:
     restart.add_argument("--no-wait", action="store_true", help="return once it has started")
 
 
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Gateway:
+    """A running gateway's admin API, over the gateway's own HTTP/1.1 client (workers/http1.py)."""
+
+    def __init__(self, pool: Http1Pool, base_url: str, headers: dict[str, str]) -> None:
+        self._pool = pool
+        self._base = base_url.rstrip("/")
+        self._headers = headers
+
+    async def get(self, path: str) -> Reply:
+        return await self._call("GET", path, b"", self._headers)
+
+    async def post(self, path: str, payload: dict[str, Any]) -> Reply:
+        headers = self._headers | {"content-type": "application/json"}
+        return await self._call("POST", path, json.dumps(payload).encode(), headers)
+
+    async def _call(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> Reply:
+        async with asyncio.timeout(TIMEOUT_S):
+            answer = await self._pool.request(method, self._base + path, headers, body, TIMEOUT_S)
+            try:
+                data = answer.whole()
+                if data is None:
+                    data = await answer.read()
+            finally:
+                answer.close()
+        return Reply(answer.status, data)
+
+
 def run_admin(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
     headers = {"authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    pool = Http1Pool(TIMEOUT_S, KEEPALIVE_S)
     try:
-        with httpx.Client(base_url=args.gateway, headers=headers, timeout=30.0) as client:
-            return _ACTIONS[args.action](client, args)
-    except httpx.HTTPError as error:
-        print(f"mineru-gateway workers: no answer from {args.gateway}: {error}", file=sys.stderr)
+        return await _ACTIONS[args.action](Gateway(pool, args.gateway, headers), args)
+    except (ConnectFailed, Disconnected, Malformed, TimeoutError, ValueError) as error:
+        why = str(error) or type(error).__name__
+        print(f"mineru-gateway workers: no answer from {args.gateway}: {why}", file=sys.stderr)
         return 2
+    finally:
+        pool.close()
 
 
-def _list(client: httpx.Client, args: argparse.Namespace) -> int:
-    return _show(client.get("/v1/workers"))
+async def _list(gateway: Gateway, args: argparse.Namespace) -> int:
+    return _show(await gateway.get("/v1/workers"))
 
 
-def _drain(client: httpx.Client, args: argparse.Namespace) -> int:
-    answer = client.post("/v1/workers/drain", json={"url": args.url})
-    if answer.status_code != 200 or args.no_wait:
+async def _drain(gateway: Gateway, args: argparse.Namespace) -> int:
+    answer = await gateway.post("/v1/workers/drain", {"url": args.url})
+    if answer.status != 200 or args.no_wait:
         return _show(answer)
-    deadline = time.monotonic() + args.timeout_s
-    while (busy := _in_flight(answer.json(), args.url)) > 0 and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        answer = client.get("/v1/workers")
+    deadline = asyncio.get_running_loop().time() + args.timeout_s
+    while (busy := _in_flight(answer.json(), args.url)) > 0 and _before(deadline):
+        await asyncio.sleep(POLL_S)
+        answer = await gateway.get("/v1/workers")
     print(json.dumps({"url": args.url, "in_flight": busy, "idle": busy == 0}))
     return 0 if busy == 0 else 1
 
 
-def _undrain(client: httpx.Client, args: argparse.Namespace) -> int:
-    return _show(client.post("/v1/workers/undrain", json={"url": args.url}))
+async def _undrain(gateway: Gateway, args: argparse.Namespace) -> int:
+    return _show(await gateway.post("/v1/workers/undrain", {"url": args.url}))
 
 
-def _restart(client: httpx.Client, args: argparse.Namespace) -> int:
-    answer = client.post("/v1/workers/restart", json={"urls": args.urls or None})
-    if answer.status_code != 202 or args.no_wait:
+async def _restart(gateway: Gateway, args: argparse.Namespace) -> int:
+    answer = await gateway.post("/v1/workers/restart", {"urls": args.urls or None})
+    if answer.status != 202 or args.no_wait:
         return _show(answer, ok=202)
-    deadline = time.monotonic() + args.timeout_s
-    while answer.json().get("state") == "running" and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        answer = client.get("/v1/workers/restart")
+    deadline = asyncio.get_running_loop().time() + args.timeout_s
+    while answer.json().get("state") == "running" and _before(deadline):
+        await asyncio.sleep(POLL_S)
+        answer = await gateway.get("/v1/workers/restart")
     _show(answer)
     return 0 if answer.json().get("state") == "done" else 1
+
+
+def _before(deadline: float) -> bool:
+    return asyncio.get_running_loop().time() < deadline
 
 
 def _in_flight(described: dict[str, Any], url: str) -> int:
@@ -101,12 +152,18 @@ def _in_flight(described: dict[str, Any], url: str) -> int:
     return 0
 
 
-def _show(answer: httpx.Response, ok: int = 200) -> int:
+def _show(answer: Reply, ok: int = 200) -> int:
     try:
         print(json.dumps(answer.json(), indent=2))
     except ValueError:
-        print(answer.text)
-    return 0 if answer.status_code == ok else 1
+        print(answer.body.decode(errors="replace"))
+    return 0 if answer.status == ok else 1
 
 
-_ACTIONS = {"list": _list, "drain": _drain, "undrain": _undrain, "restart": _restart}
+Action = Callable[[Gateway, argparse.Namespace], Awaitable[int]]
+_ACTIONS: dict[str, Action] = {
+    "list": _list,
+    "drain": _drain,
+    "undrain": _undrain,
+    "restart": _restart,
+}

@@ -38,9 +38,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Literal
 
-import aiohttp
 import orjson
 import structlog
+
+from mineru_gateway.workers.http1 import ConnectFailed, Disconnected, Http1Pool, Malformed
+from mineru_gateway.workers.upstream import KEEPALIVE_S
 
 log = structlog.get_logger("mineru_gateway.supervisor")
 
@@ -172,7 +174,7 @@ class Supervisor:
         self._failed = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | None = None  # the probes' connections (the gateway's client)
 
     def log_path(self, worker: ManagedWorker) -> Path | None:
         return self._log_dir / f"{worker.name}.log" if self._log_dir is not None else None
@@ -181,7 +183,7 @@ class Supervisor:
         """Starts every worker (in parallel) and returns; each is then watched and restarted."""
         if self._log_dir is not None:
             self._log_dir.mkdir(parents=True, exist_ok=True)
-        self._session = aiohttp.ClientSession()
+        self._pool = Http1Pool(self.policy.health_timeout_s, KEEPALIVE_S)
         self._tasks = [
             asyncio.create_task(self._supervise(worker), name=f"supervise-{worker.name}")
             for worker in self.workers
@@ -223,8 +225,9 @@ class Supervisor:
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 log.error("supervisor_task_failed", worker=worker.name, error=repr(result))
         await asyncio.gather(*(self._terminate(worker) for worker in self.workers))
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         for worker in self.workers:
             worker.state = "stopped"
 
@@ -418,15 +421,16 @@ class Supervisor:
 
     async def _probe(self, worker: ManagedWorker) -> str | None:
         """None when `/health` answers 200, else what went wrong."""
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=self.policy.health_timeout_s)
+        assert self._pool is not None
+        limit = self.policy.health_timeout_s
         try:
-            async with self._session.get(f"{worker.spec.url}/health", timeout=timeout) as response:
-                return None if response.status == 200 else f"/health answered {response.status}"
+            answer = await self._pool.request("GET", f"{worker.spec.url}/health", {}, b"", limit)
         except TimeoutError:
-            return f"/health timed out after {self.policy.health_timeout_s:g} s"
-        except aiohttp.ClientError as error:
+            return f"/health timed out after {limit:g} s"
+        except (ConnectFailed, Disconnected, Malformed) as error:
             return f"/health failed: {error}"
+        answer.close()  # its body is not read: a connection whose answer has not ended goes
+        return None if answer.status == 200 else f"/health answered {answer.status}"
 
     def _set_healthy(self, worker: ManagedWorker) -> None:
         if worker.state == "healthy":
