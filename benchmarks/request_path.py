@@ -175,7 +175,7 @@ async def _floor(scope: dict[str, Any], receive: Any, send: Any) -> None:
     link = ClientLink.of(scope)
     assert link is not None
     body = await read_body(receive, None, context.settings.max_body_bytes)
-    workers = context.registry.workers
+    workers = context.registry.membership.workers
     url = workers[next(_turn) % len(workers)].url + CHAT
     upstream = await context.client.post(url, body, {"Content-Type": "application/json"})
     try:
@@ -190,7 +190,7 @@ async def _until_healthy(app: Any, state: Any) -> None:
 
     registry = gateway_context({"state": dict(state)}).registry
     for _ in range(200):
-        if all(worker.healthy for worker in registry.workers):
+        if all(worker.healthy for worker in registry.membership.workers):
             return
         await asyncio.sleep(0.05)
     raise RuntimeError("the upstreams did not become healthy")

@@ -61,7 +61,7 @@ def gateway_read_cost(url: str, path: str, reads: int) -> float:
         registry = WorkerRegistry(
             [url], client, RoundRobin(), HealthPolicy(interval_s=60, timeout_s=5)
         )
-        worker = registry.workers[0]
+        worker = registry.membership.workers[0]
         worker.load_path = path
         await client.start()
         try:

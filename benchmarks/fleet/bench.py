@@ -258,13 +258,13 @@ async def main(size, decisions):
     registry = WorkerRegistry([f"http://w{n}:1" for n in range(size)],
         UpstreamClient(Timeouts(1, 1, 1)), QueueLength(), batch_limit=4,
         rng=random.Random(1), **extra)
-    for worker in registry.workers:
+    for worker in registry.membership.workers:
         worker.healthy, worker.models = True, {"m": {"id": "m"}}
     dispatcher = Dispatcher(registry, FairQueue(), RoomPolicy(headroom=0.0, min_headroom=0))
     cost = Cost(prefill=0.0, hold=1.0)
-    for worker in registry.workers[::4]:
+    for worker in registry.membership.workers[::4]:
         for _ in range(4):
-            registry.acquire(worker, cost)
+            registry.routing.acquire(worker, cost)
     ask = Admission(TenantPolicy("a"), 0, cost, 100, "m")
     held = [await dispatcher.acquire(ask) for _ in range(size)]  # a request on most others
     times = []

@@ -41,10 +41,10 @@ async def test_a_failed_lookup_keeps_the_workers_it_had() -> None:
         )
         discovery = DnsDiscovery(registry, ["http://localhost:9"], interval_s=60)
         await discovery.refresh()
-        found = {worker.url for worker in registry.workers}
+        found = {worker.url for worker in registry.membership.workers}
         assert "http://127.0.0.1:9" in found
         gone = DnsDiscovery(registry, ["http://no-such-host.invalid:9"], interval_s=60)
         await gone.refresh()
-        assert {worker.url for worker in registry.workers} == found
+        assert {worker.url for worker in registry.membership.workers} == found
     finally:
         await client.close()

@@ -24,7 +24,7 @@ def fleet(
     registry = WorkerRegistry(
         list(urls), UpstreamClient(Timeouts(1, 1, 1)), LeastInflight(), batch_limit=batch
     )
-    for worker in registry.workers:
+    for worker in registry.membership.workers:
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
     room = RoomPolicy(headroom=0.0, min_headroom=0)  # exactly `batch` per worker
     return Dispatcher(registry, FairQueue(limits), room, enabled=enabled)
@@ -43,10 +43,10 @@ async def test_a_request_with_room_is_granted_at_once() -> None:
     dispatcher = fleet("http://w0", "http://w1")
     grant = await dispatcher.acquire(ask())
     assert grant.queued_s == 0.0
-    assert sum(w.in_flight for w in dispatcher.registry.workers) == 1
+    assert sum(w.in_flight for w in dispatcher.registry.membership.workers) == 1
     grant.release()
     grant.release()  # idempotent
-    assert sum(w.in_flight for w in dispatcher.registry.workers) == 0
+    assert sum(w.in_flight for w in dispatcher.registry.membership.workers) == 0
     assert dispatcher.queue.in_flight("a") == 0
 
 
@@ -91,7 +91,7 @@ async def test_a_cancelled_waiter_leaves_the_queue_at_once() -> None:
     await settle()
     assert dispatcher.queue.is_idle() and dispatcher.queue.queued_bytes == 0
     holder.release()
-    assert dispatcher.registry.workers[0].in_flight == 0
+    assert dispatcher.registry.membership.workers[0].in_flight == 0
 
 
 async def test_a_waiter_cancelled_as_it_is_granted_gives_its_lease_back() -> None:
@@ -103,7 +103,7 @@ async def test_a_waiter_cancelled_as_it_is_granted_gives_its_lease_back() -> Non
     waiting.cancel()  # ...and its task is cancelled before it resumes
     await settle()
     assert waiting.cancelled()
-    assert dispatcher.registry.workers[0].in_flight == 0
+    assert dispatcher.registry.membership.workers[0].in_flight == 0
     assert dispatcher.queue.in_flight("a") == 0
 
 
@@ -137,7 +137,7 @@ async def test_queued_requests_get_503_when_no_worker_is_healthy() -> None:
     await dispatcher.acquire(ask())
     waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
     await settle()
-    worker = dispatcher.registry.workers[0]
+    worker = dispatcher.registry.membership.workers[0]
     dispatcher.registry.checks.set_health(worker, False, "gone")
     await settle()
     assert isinstance(waiting.exception(), NoHealthyWorker)
@@ -160,10 +160,10 @@ async def test_closing_answers_every_waiter_and_every_newcomer_with_503() -> Non
 async def test_without_flow_control_every_request_goes_at_once() -> None:
     dispatcher = fleet("http://w0", batch=1, enabled=False)
     grants = [await dispatcher.acquire(ask()) for _ in range(5)]
-    assert dispatcher.registry.workers[0].in_flight == 5
+    assert dispatcher.registry.membership.workers[0].in_flight == 5
     for grant in grants:
         grant.release()
-    assert dispatcher.registry.workers[0].in_flight == 0
+    assert dispatcher.registry.membership.workers[0].in_flight == 0
 
 
 async def test_a_retry_takes_another_worker_without_queueing() -> None:
@@ -189,14 +189,14 @@ async def test_a_waiter_cancelled_just_before_room_appears_is_not_served() -> No
     holder.release()  # ...after this pump, which must pass it over
     await settle()
     assert waiting.cancelled()
-    assert behind.done() and dispatcher.registry.workers[0].in_flight == 1
+    assert behind.done() and dispatcher.registry.membership.workers[0].in_flight == 1
     behind.result().release()
-    assert dispatcher.queue.is_idle() and dispatcher.registry.workers[0].in_flight == 0
+    assert dispatcher.queue.is_idle() and dispatcher.registry.membership.workers[0].in_flight == 0
 
 
 async def test_queued_requests_for_a_model_no_worker_serves_any_more_get_404() -> None:
     dispatcher = fleet("http://w0", "http://w1", batch=1)
-    w0, w1 = dispatcher.registry.workers
+    w0, w1 = dispatcher.registry.membership.workers
     w1.models = {"other": {"id": "other"}}
     holder = await dispatcher.acquire(ask())
     waiting = asyncio.ensure_future(dispatcher.acquire(ask()))
@@ -212,7 +212,7 @@ async def test_queued_requests_for_a_model_whose_workers_are_ejected_get_503() -
     """The model is still known (its worker is a member, out of routing for now): the
     requests may come back later, unlike those for a model no member serves."""
     dispatcher = fleet("http://w0", "http://w1", batch=1)
-    w0, w1 = dispatcher.registry.workers
+    w0, w1 = dispatcher.registry.membership.workers
     w1.models = {"other": {"id": "other"}}
     holder = await dispatcher.acquire(ask())
     waiting = asyncio.ensure_future(dispatcher.acquire(ask()))

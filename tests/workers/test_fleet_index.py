@@ -26,7 +26,7 @@ def big_fleet(size: int, *, sample: int = 8) -> Dispatcher:
         rng=random.Random(7),
         sample=sample,
     )
-    for worker in registry.workers:
+    for worker in registry.membership.workers:
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
     room = RoomPolicy(headroom=0.0, min_headroom=0)  # exactly BATCH per worker
     return Dispatcher(registry, FairQueue(), room)
@@ -39,10 +39,10 @@ def ask() -> Admission:
 async def test_at_256_workers_a_quarter_full_get_no_request() -> None:
     dispatcher = big_fleet(256)
     registry = dispatcher.registry
-    full = registry.workers[::4]
+    full = registry.membership.workers[::4]
     for worker in full:
         for _ in range(BATCH):
-            registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+            registry.routing.acquire(worker, Cost(prefill=0.0, hold=1.0))
     grants = [await dispatcher.acquire(ask()) for _ in range(600)]  # of 768 places left
     chosen = Counter(grant.lease.worker.url for grant in grants)
     assert not chosen.keys() & {worker.url for worker in full}
@@ -66,7 +66,7 @@ async def test_one_request_at_a_time_stays_on_a_worker_it_holds_a_connection_to(
     assert times >= 199
     worker = registry.membership.by_url[warm]
     for _ in range(BATCH):
-        registry.acquire(worker, Cost(prefill=0.0, hold=1.0))
+        registry.routing.acquire(worker, Cost(prefill=0.0, hold=1.0))
     grant = await dispatcher.acquire(ask())
     assert grant.lease.worker.url != warm
     grant.release()
@@ -93,7 +93,7 @@ async def test_a_warm_worker_with_more_load_is_not_preferred() -> None:
     grant = await dispatcher.acquire(ask())
     warm = grant.lease.worker
     grant.release()
-    registry.acquire(warm, Cost(prefill=0.0, hold=1.0))  # another request of this process
+    registry.routing.acquire(warm, Cost(prefill=0.0, hold=1.0))  # another request of this process
     for _ in range(20):
         grant = await dispatcher.acquire(ask())
         assert grant.lease.worker is not warm
@@ -107,10 +107,10 @@ async def test_held_requests_fill_the_fleet_evenly_and_then_queue() -> None:
     grants = [await dispatcher.acquire(ask()) for _ in range(64 * BATCH)]
     per_worker = Counter(grant.lease.worker.url for grant in grants)
     assert set(per_worker.values()) == {BATCH}
-    waiting = dispatcher.registry.offer(MODEL, dispatcher.room)
+    waiting = dispatcher.registry.routing.offer(MODEL, dispatcher.room)
     assert not waiting.roomy
     grants.pop().release()  # room on one worker: it is found at once
-    offer = dispatcher.registry.offer(MODEL, dispatcher.room)
+    offer = dispatcher.registry.routing.offer(MODEL, dispatcher.room)
     assert offer.roomy and len(offer.views) == 1
     for grant in grants:
         grant.release()
@@ -118,5 +118,5 @@ async def test_held_requests_fill_the_fleet_evenly_and_then_queue() -> None:
 
 async def test_a_decision_looks_at_no_more_than_its_sample() -> None:
     dispatcher = big_fleet(512, sample=5)
-    offer = dispatcher.registry.offer(MODEL, dispatcher.room)
+    offer = dispatcher.registry.routing.offer(MODEL, dispatcher.room)
     assert offer.roomy and len(offer.views) == 5

@@ -38,10 +38,10 @@ def registry_of(
 
 def test_a_lease_releases_its_prefill_at_the_first_byte_and_the_rest_at_the_end() -> None:
     registry = registry_of("http://a:1")
-    worker = registry.workers[0]
+    worker = registry.membership.workers[0]
     page, block = Cost(prefill=1.4, hold=1.0), Cost(prefill=0.1, hold=1.0)
-    with registry.lease(worker, block):
-        with registry.lease(worker, page) as lease:
+    with registry.routing.lease(worker, block):
+        with registry.routing.lease(worker, page) as lease:
             assert (worker.in_flight, worker.own_cost) == (2, pytest.approx(3.5))
             lease.prefilled()
             lease.prefilled()  # idempotent: released once
@@ -52,9 +52,12 @@ def test_a_lease_releases_its_prefill_at_the_first_byte_and_the_rest_at_the_end(
 
 def test_a_lease_ended_before_its_first_byte_releases_everything() -> None:
     registry = registry_of("http://a:1")
-    worker = registry.workers[0]
-    with registry.lease(worker, Cost(prefill=0.5, hold=1.0)):
-        with pytest.raises(RuntimeError), registry.lease(worker, Cost(prefill=1.4, hold=1.0)):
+    worker = registry.membership.workers[0]
+    with registry.routing.lease(worker, Cost(prefill=0.5, hold=1.0)):
+        with (
+            pytest.raises(RuntimeError),
+            registry.routing.lease(worker, Cost(prefill=1.4, hold=1.0)),
+        ):
             raise RuntimeError("the worker dropped the connection")
         assert (worker.in_flight, worker.own_cost) == (1, pytest.approx(1.5))
 
@@ -64,9 +67,9 @@ def test_pace_weighting_scales_workers_by_reported_latency(
     pace_weighting: bool, expected: set[float]
 ) -> None:
     registry = registry_of("http://a:1", "http://b:1", pace_weighting=pace_weighting)
-    for worker, itl in zip(registry.workers, (0.01, 0.03), strict=True):
+    for worker, itl in zip(registry.membership.workers, (0.01, 0.03), strict=True):
         worker.healthy, worker.itl_s = True, itl
-    assert {view.slowness for view in registry.views()} == expected
+    assert {view.slowness for view in registry.routing.views()} == expected
 
 
 async def test_a_worker_slow_to_answer_its_probe_stays_in_routing_until_three_in_a_row(
@@ -79,24 +82,24 @@ async def test_a_worker_slow_to_answer_its_probe_stays_in_routing_until_three_in
     registry = registry_of(url, health_timeout_s=0.5, client=client)
     await client.start()
     try:
-        worker = registry.workers[0]
-        await registry.check(worker)
+        worker = registry.membership.workers[0]
+        await registry.checks.check(worker)
         assert worker.healthy
         script.health_delay_s = 1.0  # busy: /health answers after the probe gave up
-        await registry.check(worker)
-        await registry.check(worker)
+        await registry.checks.check(worker)
+        await registry.checks.check(worker)
         assert worker.healthy, "two slow probes are load, not a dead worker"
         assert "took longer than 0.5 s" in (worker.last_error or "")
         script.health_delay_s = 0.0
-        await registry.check(worker)  # a good probe starts the count again
+        await registry.checks.check(worker)  # a good probe starts the count again
         script.health_delay_s = 1.0
         for _ in range(2):
-            await registry.check(worker)
+            await registry.checks.check(worker)
         assert worker.healthy
-        await registry.check(worker)
+        await registry.checks.check(worker)
         assert not worker.healthy, "the third slow probe in a row takes it out"
         script.health_delay_s = 0.0
-        await registry.check(worker)
+        await registry.checks.check(worker)
         assert worker.healthy
     finally:
         await client.close()
@@ -110,11 +113,11 @@ async def test_a_worker_answering_its_probe_with_an_error_is_taken_out_at_once(
     registry = registry_of(url, client=client)
     await client.start()
     try:
-        worker = registry.workers[0]
-        await registry.check(worker)
+        worker = registry.membership.workers[0]
+        await registry.checks.check(worker)
         assert worker.healthy
         script.healthy = False  # vLLM's /health answers 503 when its engine is dead
-        await registry.check(worker)
+        await registry.checks.check(worker)
         assert not worker.healthy
         assert "503" in (worker.last_error or "")
     finally:
@@ -135,13 +138,13 @@ def test_a_workers_batch_size_is_learnt_from_its_reported_load(
     readings: list[tuple[float, float]], learnt: int
 ) -> None:
     registry = registry_of("http://a:1")
-    worker = registry.workers[0]
+    worker = registry.membership.workers[0]
     for waiting, running in readings:
         load = VllmLoad(waiting, running, 0.1, 0.0, 0.0)
         learn_batch(worker, load)
         worker.scrape = Scrape(load, 0.0, 0)
     assert worker.batch_seen == learnt
-    view = registry.views()[0]
+    view = registry.routing.views()[0]
     assert view.batch_limit == (learnt or None)
 
 
@@ -152,38 +155,40 @@ def test_a_workers_view_is_kept_until_something_it_shows_changes() -> None:
         RoundRobin(),
         load=LoadModel(stale_after_s=0.3),
     )
-    a, b = registry.workers
+    a, b = registry.membership.workers
     a.healthy = b.healthy = True
     a.models = {"m": {"id": "m"}}
-    first = registry.views()
-    assert registry.views()[0] is first[0] and registry.views()[1] is first[1]
+    first = registry.routing.views()
+    assert registry.routing.views()[0] is first[0] and registry.routing.views()[1] is first[1]
 
-    with registry.lease(a, Cost(prefill=0.1, hold=1.0)):
-        leased = registry.views()
+    with registry.routing.lease(a, Cost(prefill=0.1, hold=1.0)):
+        leased = registry.routing.views()
         assert leased[0].in_flight == 1 and leased[1] is first[1]  # only a's view is new
-    assert registry.views()[0].in_flight == 0
+    assert registry.routing.views()[0].in_flight == 0
 
     a.models = {"m": {"id": "m"}, "n": {"id": "n"}}
-    assert registry.views()[0].models == {"m", "n"}
-    registry.drain(b.url)
-    assert registry.views()[1].healthy is False
-    registry.undrain(b.url)
+    assert registry.routing.views()[0].models == {"m", "n"}
+    registry.membership.drain(b.url)
+    assert registry.routing.views()[1].healthy is False
+    registry.membership.undrain(b.url)
 
     reading = Scrape(VllmLoad(2, 5, 0.4, 0.0, 0.0), time.monotonic(), 0)
     a.scrape = reading
-    fresh = registry.views()[0]
+    fresh = registry.routing.views()[0]
     assert fresh.reported is not None and fresh.reported.running == 5
-    assert fresh.reported.age_s < 0.3 and registry.views()[0] is fresh
-    with registry.lease(a, Cost(prefill=0.1, hold=1.0)):
-        counted = registry.views()[0]  # new counts, the same reading
+    assert fresh.reported.age_s < 0.3 and registry.routing.views()[0] is fresh
+    with registry.routing.lease(a, Cost(prefill=0.1, hold=1.0)):
+        counted = registry.routing.views()[0]  # new counts, the same reading
         assert counted.in_flight == 1 and counted.reported is fresh.reported
-    assert registry.views()[0].reported is fresh.reported
+    assert registry.routing.views()[0].reported is fresh.reported
     time.sleep(0.35)  # the figures cross stale_after_s: the view is rebuilt without them
-    stale = registry.views()[0]
+    stale = registry.routing.views()[0]
     assert stale is not fresh and stale.reported is None and stale.in_flight == 0
-    assert registry.views()[0] is stale  # and kept: a stale reading has nothing more to cross
+    assert (
+        registry.routing.views()[0] is stale
+    )  # and kept: a stale reading has nothing more to cross
     a.scrape = Scrape(VllmLoad(1, 2, 0.4, 0.0, 0.0), time.monotonic(), 0)
-    assert registry.views()[0].reported is not None  # a new reading goes in at once
+    assert registry.routing.views()[0].reported is not None  # a new reading goes in at once
 
 
 async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
@@ -200,12 +205,12 @@ async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
     registry = registry_of(one, several, no_mount, "http://127.0.0.1:9", client=client)
     await client.start()
     try:
-        await registry.check_all()
+        await registry.checks.check_all()
         for _ in range(2):
-            for worker in registry.workers:
+            for worker in registry.membership.workers:
                 await registry.read_load(worker)
-        filtered, multiprocess, missing, unreachable = registry.workers
-        assert [w.load_path for w in registry.workers] == [
+        filtered, multiprocess, missing, unreachable = registry.membership.workers
+        assert [w.load_path for w in registry.membership.workers] == [
             LOAD_PATH,
             FULL_PATH,
             FULL_PATH,
@@ -214,20 +219,20 @@ async def test_a_workers_load_is_read_filtered_or_whole_where_it_cannot_filter(
         assert filtered.scrape is not None and multiprocess.scrape is not None
         assert missing.scrape is not None, "the scripted worker's whole page is read"
         assert unreachable.scrape is None
-        assert [w.describe(time.monotonic())["load_read"] for w in registry.workers] == [
+        assert [w.describe(time.monotonic())["load_read"] for w in registry.membership.workers] == [
             "filtered",
             "whole",
             "whole",
             "filtered",
         ]
         # Back after an outage, a worker may be another vLLM: its filtered read is tried again.
-        await registry.check(missing)
+        await registry.checks.check(missing)
         assert missing.healthy and missing.load_path == FULL_PATH, "no outage, no new try"
         assert not unreachable.healthy
         script.healthy = False
-        await registry.check(missing)
+        await registry.checks.check(missing)
         script.healthy = True
-        await registry.check(missing)
+        await registry.checks.check(missing)
         assert missing.healthy and missing.load_path == LOAD_PATH
         await registry.read_load(missing)
         assert missing.load_path == FULL_PATH
@@ -247,13 +252,13 @@ async def test_requests_sent_while_a_load_read_is_under_way_count_as_the_gateway
     registry = registry_of(url, client=client)
     await client.start()
     try:
-        await registry.check_all()
-        worker = registry.workers[0]
+        await registry.checks.check_all()
+        worker = registry.membership.workers[0]
         worker.load_path = FULL_PATH  # it has no `/metrics/`: one read, not a fallback
         read = asyncio.ensure_future(registry.read_load(worker))
         await asyncio.sleep(0)  # the read has begun: it waits for the worker's answer
         assert not read.done()
-        with registry.lease(worker, Cost(prefill=0.1, hold=1.0)):  # sent during the read
+        with registry.routing.lease(worker, Cost(prefill=0.1, hold=1.0)):  # sent during the read
             await read
             reported = worker.reported(time.monotonic())
             assert reported is not None and reported.own_at_scrape == 1

@@ -113,7 +113,7 @@ def test_readings_stay_fresh_for_two_read_periods(budget: Budget, fresh: bool) -
     counts (older than `stale_after_s`, within two periods); without a budget it does not."""
     registry = registry_of(1024, budget)
     assert (registry.read_period(1024) > 2) == fresh
-    worker = registry.workers[0]
+    worker = registry.membership.workers[0]
     worker.healthy = True
     worker.scrape = Scrape(VllmLoad(2, 3, 0.1, 0.0, 0.0), time.monotonic() - 3.0, 0)
-    assert (registry.views()[0].reported is not None) == fresh
+    assert (registry.routing.views()[0].reported is not None) == fresh

@@ -260,7 +260,7 @@ def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) ->
     """Registers the gateway's (and the NPUs') collectors on the context's own registry."""
     collector = GatewayCollector(
         context.metrics,
-        context.registry.gauges,
+        context.registry.membership.gauges,
         context.settings.routing_policy,
         lambda: queue_gauges(context),
     )
@@ -368,7 +368,7 @@ class Running:
         log.info(
             "gateway_started",
             workers=settings.workers,
-            healthy=[w.url for w in context.registry.workers if w.healthy],
+            healthy=[w.url for w in context.registry.membership.workers if w.healthy],
             policy=settings.routing_policy,
         )
 

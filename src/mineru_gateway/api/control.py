@@ -26,7 +26,7 @@ from mineru_gateway.errors import (
     UnknownPath,
     UnknownWorker,
 )
-from mineru_gateway.workers.registry import WorkerRegistry
+from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.rolling import RollingRestart
 
 router = APIRouter()
@@ -94,9 +94,9 @@ async def ready(request: Request) -> Response:
     registry = context.registry
     if context.lifecycle.draining:
         raise ShuttingDown("the gateway is shutting down")
-    if not registry.any_healthy():
+    if not registry.membership.any_healthy():
         raise NoHealthyWorker("no healthy worker")
-    healthy = sum(worker.healthy for worker in registry.workers)
+    healthy = sum(worker.healthy for worker in registry.membership.workers)
     return json_response({"status": "ready", "healthy_workers": healthy})
 
 
@@ -104,9 +104,9 @@ async def ready(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """The union of the healthy workers' models, one entry per model id."""
     registry = _context(request).registry
-    if not registry.any_healthy():
+    if not registry.membership.any_healthy():
         raise NoHealthyWorker("no healthy worker to list models from")
-    return json_response({"object": "list", "data": registry.models()})
+    return json_response({"object": "list", "data": registry.membership.models()})
 
 
 async def render_metrics(context: GatewayContext) -> bytes:
@@ -144,14 +144,14 @@ async def workers(request: Request) -> Response:
 async def add_worker(request: Request, change: WorkerChange) -> Response:
     """Adds a worker at run time; it takes traffic once its health check passes."""
     registry = _context(request).registry
-    await registry.check(registry.add(change.url))
+    await registry.checks.check(registry.membership.add(change.url))
     return json_response(_describe_workers(_context(request)), 201)
 
 
 @router.delete("/v1/workers", dependencies=[Depends(_admin)])
 async def remove_worker(request: Request, change: WorkerChange) -> Response:
     """Stops routing new requests to a worker; those already there finish normally."""
-    _context(request).registry.remove(change.url)
+    _context(request).registry.membership.remove(change.url)
     return json_response(_describe_workers(_context(request)))
 
 
@@ -185,10 +185,11 @@ async def restart_status(request: Request) -> Response:
     return json_response(_rolling(_context(request)).describe())
 
 
-def _known(context: GatewayContext, url: str) -> WorkerRegistry:
-    if url not in {worker.url for worker in context.registry.workers}:
+def _known(context: GatewayContext, url: str) -> Membership:
+    membership = context.registry.membership
+    if url not in membership.by_url:
         raise UnknownWorker(f"no worker {url} in this gateway", param="url")
-    return context.registry
+    return membership
 
 
 def _rolling(context: GatewayContext) -> RollingRestart:
@@ -205,4 +206,7 @@ def _rolling(context: GatewayContext) -> RollingRestart:
 def _describe_workers(context: GatewayContext) -> dict[str, Any]:
     now = time.monotonic()
     registry = context.registry
-    return {"policy": registry.policy.name, "workers": [w.describe(now) for w in registry.workers]}
+    return {
+        "policy": registry.routing.policy.name,
+        "workers": [w.describe(now) for w in registry.membership.workers],
+    }

@@ -461,7 +461,7 @@ class Relay:
             raise
         finally:
             if outcome is not None:
-                context.registry.report(worker, outcome)
+                context.registry.checks.report(worker, outcome)
             if trace is not None:
                 trace.attempt_ended(outcome)
 

@@ -42,7 +42,7 @@ class BacklogCollector(Collector):
             labels=["model"],
         )
         queued = dispatcher.queue.by_model()
-        served = {model for view in dispatcher.registry.views() for model in view.models}
+        served = {model for view in dispatcher.registry.routing.views() for model in view.models}
         for model in sorted(served | {m for m in queued if m is not None}):
             waiting = queued.get(model)
             depth.add_metric([model], 0 if waiting is None else waiting.requests)

@@ -73,9 +73,9 @@ class DnsDiscovery:
         known = self._known[target]
         for url in sorted(found - known):
             log.info("worker_discovered", worker=url, name=target.host)
-            await self._registry.check(self._registry.add(url))
+            await self._registry.checks.check(self._registry.membership.add(url))
         for url in sorted(known - found):
-            self._registry.remove(url)
+            self._registry.membership.remove(url)
             log.info("worker_gone", worker=url, name=target.host)
         self._known[target] = found
 

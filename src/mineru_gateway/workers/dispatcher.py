@@ -116,6 +116,7 @@ class Dispatcher:
         every replica; None counts them in this process only. `fleet_tenants`: the queue's
         counts shared with the other replicas (started and stopped with the dispatcher)."""
         self.registry = registry
+        self.routing = registry.routing  # the views, the choice and the leases (views.py)
         self.fleet = fleet
         self.fleet_tenants = fleet_tenants
         self.queue = queue
@@ -131,7 +132,7 @@ class Dispatcher:
         self._pumping = False
         self._closed: GatewayError | None = None
         self._served: frozenset[str] = frozenset()
-        registry.on_change(self.pump)
+        registry.membership.on_change(self.pump)
 
     def now(self) -> float:
         return self._clock()
@@ -248,7 +249,7 @@ class Dispatcher:
 
     def _now_or_ticket(self, admission: Admission, permit: Permit | None) -> Grant | Ticket:
         """A grant at once, or the ticket the request queues with."""
-        offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
+        offer = self.routing.offer(admission.model, self.room if self.enabled else ANY_ROOM)
         if self._closed is not None:
             raise self._closed
         ticket = Ticket(
@@ -260,7 +261,7 @@ class Dispatcher:
             admission.model,
         )
         if not self.enabled:
-            worker = self.registry.choose_among(offer.views)
+            worker = self.routing.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         slotted = permit is not None or not self._needs_slot(admission.tenant)
         if (
@@ -269,7 +270,7 @@ class Dispatcher:
             and self.queue.is_idle()
             and self.queue.may_start(admission.tenant)
         ):
-            worker = self.registry.choose_among(offer.views)
+            worker = self.routing.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True, permit=permit)
         return ticket
 
@@ -304,7 +305,7 @@ class Dispatcher:
         """Another worker for a request whose attempt failed before any byte of an answer: at
         once, without queueing again (it has had its turn). Raises NoHealthyWorker when no
         untried worker is left."""
-        worker = self.registry.choose(admission.model, exclude, self.room)
+        worker = self.routing.choose(admission.model, exclude, self.room)
         permit, grant.permit = grant.permit, None  # the request keeps its slot
         grant.release()
         return self._grant(
@@ -316,9 +317,9 @@ class Dispatcher:
         (that worker is held back, health.py): at once on a worker with room, else back in the
         queue, where it waits under its usual limits. Without flow control there is no queue:
         raises WorkersBusy when no worker has room."""
-        offer = self.registry.offer(admission.model, self.room if self.enabled else ANY_ROOM)
+        offer = self.routing.offer(admission.model, self.room if self.enabled else ANY_ROOM)
         if offer.roomy:
-            worker = self.registry.choose_among(offer.views)
+            worker = self.routing.choose_among(offer.views)
             permit, grant.permit = grant.permit, None  # the request keeps its slot
             grant.release()
             return self._grant(
@@ -367,11 +368,11 @@ class Dispatcher:
     def _serve_one(self) -> bool:
         """Grants the next queued request a lease (or drops one whose client just left); False
         when nothing more can be served now."""
-        if not self.registry.any_routable(self.room):
+        if not self.routing.index.any_routable(self.room):
             self.fail_all(NoHealthyWorker("no healthy worker is available; retry later"))
             return False
         self._fail_unservable()
-        roomy, models = self.registry.roomy_models(self.room)
+        roomy, models = self.routing.index.roomy_models(self.room)
         if not roomy:
             return False
         ticket = self.queue.next(
@@ -381,7 +382,7 @@ class Dispatcher:
         )
         if ticket is None:
             return False
-        offer = self.registry.offer(ticket.model, self.room)
+        offer = self.routing.offer(ticket.model, self.room)
         if not offer.roomy:
             return False
         waiter = _waiter(ticket)
@@ -392,7 +393,7 @@ class Dispatcher:
             self._remove(ticket)
             return True
         self.queue.pop(ticket)
-        worker = self.registry.choose_among(offer.views)
+        worker = self.routing.choose_among(offer.views)
         queued_s = self._clock() - ticket.enqueued_at
         permit = self._spare_slot(ticket)
         grant = self._grant(ticket, worker, waiter.admission, queued_s, permit=permit)
@@ -402,13 +403,13 @@ class Dispatcher:
     def _fail_unservable(self) -> None:
         """Queued requests for a model no healthy worker serves any more cannot wait for room.
         Looked for only when the models the healthy workers serve have changed."""
-        served = self.registry.routable_models(self.room)
+        served = self.routing.index.routable_models(self.room)
         if served == self._served:
             return
         self._served = served
         for ticket in list(self.queue.tickets()):
             if ticket.model is not None and ticket.model not in served:
-                self._fail(ticket, self.registry.why_no_candidate(ticket.model))
+                self._fail(ticket, self.routing.why_no_candidate(ticket.model))
 
     def _grant(
         self,
@@ -422,7 +423,7 @@ class Dispatcher:
     ) -> Grant:
         if unqueued:
             self.queue.start_unqueued(ticket.tenant)
-        lease = self.registry.acquire(worker, admission.cost)
+        lease = self.routing.acquire(worker, admission.cost)
         return Grant(self, ticket, lease, queued_s, permit)
 
     # -- ending waits that will not be served -------------------------------------------

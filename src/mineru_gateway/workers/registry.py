@@ -1,10 +1,11 @@
-"""The live set of workers, as one object for the rest of the gateway.
+"""The live set of workers: its parts, built together, and the loops that keep them current.
 
-`WorkerRegistry` puts together the registry's parts, each with one job:
+`WorkerRegistry` builds the registry's parts, each with one job, which the rest of the gateway
+uses directly (`registry.membership`, `registry.checks`, `registry.loads`, `registry.routing`):
 
 - `Membership` (membership.py): the workers, their drains, and who hears of a change;
 - `Health` (health.py): passive outcomes (ejection) and active probes;
-- `LoadReader` (loads.py): the workers' reported queues, corrected, learnt from and shared;
+- `LoadReader` (loads.py): the workers' reported queues, corrected and learnt from;
 - `RoutingViews` (views.py): what routing and flow control see, and the policy's choice
   among a few workers drawn from the index of those with room (fleet_index.py);
 
@@ -15,17 +16,13 @@ and runs the probes and reads: round the workers, each at its own phase, every `
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from mineru_gateway.cost import Cost
-from mineru_gateway.errors import GatewayError
-from mineru_gateway.metrics import GatewayMetrics, WorkerGauges
-from mineru_gateway.routing import LoadModel, RoutingPolicy, WorkerView
-from mineru_gateway.workers.fleet_index import ANY_ROOM, Offer, RoomCheck
+from mineru_gateway.metrics import GatewayMetrics
+from mineru_gateway.routing import LoadModel, RoutingPolicy
+from mineru_gateway.workers.fleet_index import Offer
 from mineru_gateway.workers.health import MODELS_EVERY_S, SUCCESS, Health, HealthPolicy, Outcome
 from mineru_gateway.workers.loads import LoadReader, learn_batch
 from mineru_gateway.workers.membership import Membership
@@ -88,90 +85,6 @@ class WorkerRegistry:
         )
         self._sweeps: list[Sweep] = []
 
-    @property
-    def policy(self) -> RoutingPolicy:
-        return self.routing.policy
-
-    # -- membership ------------------------------------------------------------------------
-    def on_change(self, listener: Callable[[], None]) -> None:
-        self.membership.on_change(listener)
-
-    @property
-    def workers(self) -> list[Worker]:
-        return self.membership.workers
-
-    def worker(self, url: str) -> Worker:
-        return self.membership.worker(url)
-
-    def add(self, url: str) -> Worker:
-        return self.membership.add(url)
-
-    def remove(self, url: str) -> None:
-        self.membership.remove(url)
-
-    def drain(self, url: str) -> Worker:
-        return self.membership.drain(url)
-
-    def undrain(self, url: str) -> Worker:
-        return self.membership.undrain(url)
-
-    async def wait_idle(self, worker: Worker, timeout_s: float, poll_s: float = 0.05) -> bool:
-        return await self.membership.wait_idle(worker, timeout_s, poll_s)
-
-    def models(self) -> list[dict[str, Any]]:
-        return self.membership.models()
-
-    def any_healthy(self) -> bool:
-        return self.membership.any_healthy()
-
-    def gauges(self) -> list[WorkerGauges]:
-        return self.membership.gauges()
-
-    # -- routing ---------------------------------------------------------------------------
-    def views(self) -> list[WorkerView]:
-        return self.routing.views()
-
-    def offer(
-        self, model: str | None, room: RoomCheck = ANY_ROOM, exclude: Iterable[str] = ()
-    ) -> Offer:
-        return self.routing.offer(model, room, exclude)
-
-    def roomy_models(self, room: RoomCheck) -> tuple[bool, frozenset[str]]:
-        return self.routing.index.roomy_models(room)
-
-    def routable_models(self, room: RoomCheck = ANY_ROOM) -> frozenset[str]:
-        return self.routing.index.routable_models(room)
-
-    def any_routable(self, room: RoomCheck = ANY_ROOM) -> bool:
-        return self.routing.index.any_routable(room)
-
-    def choose(
-        self, model: str | None, exclude: Iterable[str] = (), room: RoomCheck = ANY_ROOM
-    ) -> Worker:
-        return self.routing.choose(model, exclude, room)
-
-    def choose_among(self, candidates: list[WorkerView]) -> Worker:
-        return self.routing.choose_among(candidates)
-
-    def why_no_candidate(self, model: str | None) -> GatewayError:
-        return self.routing.why_no_candidate(model)
-
-    def acquire(self, worker: Worker, cost: Cost) -> Lease:
-        return self.routing.acquire(worker, cost)
-
-    def lease(self, worker: Worker, cost: Cost) -> contextlib.AbstractContextManager[Lease]:
-        return self.routing.lease(worker, cost)
-
-    # -- health ----------------------------------------------------------------------------
-    def report(self, worker: Worker, outcome: Outcome) -> None:
-        self.checks.report(worker, outcome)
-
-    async def check(self, worker: Worker) -> None:
-        await self.checks.check(worker)
-
-    async def check_all(self) -> None:
-        await self.checks.check_all()
-
     # -- load ------------------------------------------------------------------------------
     async def read_load(self, worker: Worker) -> None:
         if await self.loads.read(worker):
@@ -216,7 +129,7 @@ class WorkerRegistry:
     async def start(self) -> None:
         """Probes every worker once (so the first requests find them), then keeps probing and
         reading, each worker at its own phase."""
-        await self.check_all()
+        await self.checks.check_all()
         self._sweeps = [
             Sweep("workers", self.membership.workers_list, self._visit_period, self._visit)
         ]

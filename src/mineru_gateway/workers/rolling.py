@@ -87,7 +87,7 @@ class RollingRestart:
         while one is running, or for a URL the gateway does not know."""
         if self.running:
             raise Conflict("a rolling restart is already running", code="restart_in_progress")
-        known = [worker.url for worker in self.registry.workers]
+        known = [worker.url for worker in self.registry.membership.workers]
         chosen = list(urls) if urls else known
         unknown = [url for url in chosen if url not in known]
         if unknown:
@@ -117,15 +117,15 @@ class RollingRestart:
                 log.error("rolling_restart_failed", worker=step.url, error=step.error)
                 return
             finally:
-                if step.url in {worker.url for worker in self.registry.workers}:
-                    self.registry.undrain(step.url)
+                if step.url in {worker.url for worker in self.registry.membership.workers}:
+                    self.registry.membership.undrain(step.url)
         log.info("rolling_restart_done", workers=len(self.steps))
 
     async def _one(self, step: Step) -> None:
-        worker = self.registry.drain(step.url)
+        worker = self.registry.membership.drain(step.url)
         step.phase = "draining"
         began = time.monotonic()
-        step.drained = await self.registry.wait_idle(worker, self.drain_timeout_s)
+        step.drained = await self.registry.membership.wait_idle(worker, self.drain_timeout_s)
         step.drain_s = time.monotonic() - began
         if not step.drained:
             log.warning(
@@ -139,10 +139,10 @@ class RollingRestart:
         async with asyncio.timeout(self.ready_timeout_s):
             await self._restart(step.url)
             step.phase = "warming"
-            await self.registry.check(worker)
+            await self.registry.checks.check(worker)
             while not worker.healthy:
                 await asyncio.sleep(self.probe_interval_s)
-                await self.registry.check(worker)
+                await self.registry.checks.check(worker)
         step.restart_s = time.monotonic() - began
         step.phase = "done"
         log.info(
