@@ -27,6 +27,7 @@ from mineru_gateway.errors import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeout,
+    WorkersBusy,
 )
 
 # error class, its parent, status, `type`, `code`: the docstring's table.
@@ -62,6 +63,7 @@ TREE = [
     (UpstreamTimeout, UpstreamError, 504, "upstream_error", "upstream_timeout"),
     (NoHealthyWorker, UpstreamError, 503, "service_unavailable", "no_healthy_worker"),
     (ShuttingDown, NoHealthyWorker, 503, "service_unavailable", "shutting_down"),
+    (WorkersBusy, NoHealthyWorker, 503, "service_unavailable", "workers_busy"),
 ]
 
 
