@@ -17,13 +17,22 @@ from mineru_gateway.flow import (
     TenantPolicy,
     Ticket,
 )
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
 
 
-def ticket(tenant: TenantPolicy, *, priority: int = 0, cost: float = 1.0, size: int = 1) -> Ticket:
-    return Ticket(tenant, priority, cost, size, enqueued_at=0.0)
+def ticket(
+    tenant: TenantPolicy,
+    *,
+    priority: int = 0,
+    cost: float = 1.0,
+    size: int = 1,
+    flow: str | None = None,
+    kind: PromptKind = PromptKind.OTHER,
+) -> Ticket:
+    return Ticket(tenant, priority, cost, size, enqueued_at=0.0, flow=flow, kind=kind)
 
 
 def drain(queue: FairQueue, count: int | None = None) -> Iterator[Ticket]:
@@ -342,3 +351,162 @@ def test_retry_after_stays_between_one_second_and_what_mineru_honours() -> None:
     assert rate.retry_after(5, now=0.0) == pytest.approx(5.0)
     assert rate.retry_after(10_000, now=0.0) == 120.0
     assert rate.retry_after(10_000, now=0.0) == 120.0  # slots do not run away past the cap
+
+
+# -- documents: flows inside a tenant, steps inside a flow --------------------------------------
+
+L, T = PromptKind.LAYOUT, PromptKind.TEXT
+
+
+def doc(
+    name: str | None, kind: PromptKind = L, cost: float = 1.0
+) -> tuple[str | None, PromptKind, float]:
+    return (name, kind, cost)
+
+
+@pytest.mark.parametrize(
+    ("before", "served_first", "after", "expected", "order_steps"),
+    [
+        # No ids: one flow, FIFO (layout and other requests alike).
+        ([doc(None)] * 3, 0, [], [None, None, None], True),
+        # A document arriving while another has been served goes first (least attained service).
+        (
+            [doc("big")] * 6,
+            2,
+            [doc("small")] * 2,
+            ["small", "small", "big", "big", "big", "big"],
+            True,
+        ),
+        # Two documents with equal service share turns (ties: the earliest arrival).
+        ([doc("x"), doc("x"), doc("y"), doc("y")], 0, [], ["x", "y", "x", "y"], True),
+        # Service is counted on cost: a document of cheap requests gets more of them.
+        (
+            [doc("pages", cost=2.0)] * 3 + [doc("blocks", T, 1.0)] * 6,
+            0,
+            [],
+            ["pages", "blocks", "blocks", "pages", "blocks", "blocks", "pages", "blocks", "blocks"],
+            True,
+        ),
+        # The default flow is a flow like the others.
+        ([doc(None)] * 4, 2, [doc("d")], ["d", None, None], True),
+    ],
+)
+def test_documents_share_their_tenants_turns_by_least_attained_service(
+    before: list[tuple[str | None, PromptKind, float]],
+    served_first: int,
+    after: list[tuple[str | None, PromptKind, float]],
+    expected: list[str | None],
+    order_steps: bool,
+) -> None:
+    queue = FairQueue(QueueLimits(order_steps=order_steps))
+    for flow, kind, cost in before:
+        queue.push(ticket(A, flow=flow, kind=kind, cost=cost))
+    list(drain(queue, served_first))
+    for flow, kind, cost in after:
+        queue.push(ticket(A, flow=flow, kind=kind, cost=cost))
+    assert [t.flow for t in drain(queue)] == expected
+
+
+@pytest.mark.parametrize(
+    ("kinds", "order_steps", "expected"),
+    [
+        # Blocks of pages already laid out go ahead of new pages' layout requests.
+        ("LLTLT", True, "TTLLL"),
+        ("LTFLB", True, "TFBLL"),  # text, formula and table (B) blocks alike
+        ("LOTL", True, "TLOL"),  # other requests keep their place among layouts
+        ("LLTLT", False, "LLTLT"),  # first come, first served when steps are not ordered
+    ],
+)
+def test_inside_a_flow_blocks_go_ahead_of_new_layout_requests(
+    kinds: str, order_steps: bool, expected: str
+) -> None:
+    letters = {
+        "L": PromptKind.LAYOUT,
+        "T": PromptKind.TEXT,
+        "F": PromptKind.FORMULA,
+        "B": PromptKind.TABLE,
+        "O": PromptKind.OTHER,
+    }
+    names = {kind: letter for letter, kind in letters.items()}
+    queue = FairQueue(QueueLimits(order_steps=order_steps))
+    for letter in kinds:
+        queue.push(ticket(A, flow="doc", kind=letters[letter]))
+    assert "".join(names[t.kind] for t in drain(queue)) == expected
+
+
+def test_documents_do_not_change_the_share_between_tenants() -> None:
+    queue = FairQueue()
+    for index in range(200):
+        queue.push(ticket(A, flow=f"doc-{index % 20}"))
+        queue.push(ticket(B))
+    served = Counter(t.name for t in drain(queue, 100))
+    assert served == {"a": 50, "b": 50}
+
+
+def test_flows_are_bounded_idle_ones_forgotten_new_ones_folded_when_all_are_busy() -> None:
+    queue = FairQueue(QueueLimits(max_flows=2))
+    first, second = ticket(A, flow="one"), ticket(A, flow="two")
+    queue.push(first)
+    queue.push(second)
+    folded = ticket(A, flow="three")
+    queue.push(folded)  # both flows busy: joins the tenant's default flow
+    assert folded.flow is None and queue.folded == 1
+    assert queue.flows_by_tenant() == {"a": 3}
+    for served in drain(queue, 3):
+        assert served.queued is False
+    assert queue.flows_by_tenant() == {}  # everything done: the idle tenant is forgotten
+    # An idle flow is forgotten to make room for a new one, least recently used first.
+    keep = ticket(A, flow="one")
+    queue.push(keep)
+    started = queue.next()
+    assert started is keep
+    queue.pop(started)  # "one" stays busy (in flight)
+    queue.push(ticket(A, flow="two"))
+    head = queue.next()
+    assert head is not None
+    queue.pop(head)
+    queue.done(head)  # "two" is idle now, remembered
+    fresh = ticket(A, flow="four")
+    queue.push(fresh)
+    assert fresh.flow == "four" and queue.folded == 1
+    assert set(queue._tenants["a"].flows) == {"one", "four"}
+
+
+def test_a_document_keeps_its_service_while_its_requests_are_on_workers() -> None:
+    """Between a page's layout and its blocks nothing of the document is queued; it must not
+    come back as a new document."""
+    queue = FairQueue()
+    for _ in range(4):
+        queue.push(ticket(A, flow="big", kind=L))
+    big = list(drain_started(queue, 4))  # all on workers, none queued
+    queue.push(ticket(A, flow="big", kind=T))
+    queue.push(ticket(A, flow="small", kind=L))
+    assert [t.flow for t in drain(queue)] == ["small", "big"]
+    for item in big:
+        queue.done(item)
+
+
+def drain_started(queue: FairQueue, count: int) -> Iterator[Ticket]:
+    """Starts up to `count` tickets in the queue's order without ending them."""
+    for _ in range(count):
+        head = queue.next()
+        if head is None:
+            return
+        queue.pop(head)
+        yield head
+
+
+def test_queued_requests_by_task() -> None:
+    queue = FairQueue()
+    for kind in (L, L, T, PromptKind.TABLE, PromptKind.OTHER):
+        queue.push(ticket(A, kind=kind))
+    assert queue.by_task() == {"layout": 2, "block": 2, "other": 1}
+
+
+def test_a_full_queue_sheds_the_newest_request_across_a_tenants_flows() -> None:
+    queue = FairQueue(QueueLimits(max_queued=3))
+    kept = [ticket(A, flow="x"), ticket(A, flow="y", kind=T), ticket(A, flow="x", kind=T)]
+    for item in kept:
+        assert queue.push(item) == []
+    newest = ticket(A, flow="y")
+    assert queue.push(newest) == [newest]

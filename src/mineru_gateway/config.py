@@ -479,6 +479,22 @@ class GatewaySettings(BaseSettings):
     priority_header: str = Field(
         "x-priority", description="Header a client may set its priority in (lower first)."
     )
+    document_header: str = Field(
+        "x-document-id",
+        description="Header naming the document a request belongs to: inside a tenant, "
+        "documents share its turns, the least served first (docs/flow-control.md).",
+    )
+    max_flows_per_tenant: int = Field(
+        64,
+        ge=1,
+        description="Documents a tenant's queue tells apart; past it, a new document's "
+        "requests join the tenant's requests without a document id (never refused).",
+    )
+    order_steps: bool = Field(
+        True,
+        description="Inside a document, MinerU's block requests go ahead of its new layout "
+        "requests: pages started finish before new ones start.",
+    )
     coalesce: bool = Field(
         True,
         description="Identical greedy requests in flight share one generation: one worker "

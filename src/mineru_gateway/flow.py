@@ -17,7 +17,17 @@ The order, from first to last:
   first, and then the tenant's finish moves on by `cost / weight` and the band clock to the tag.
   A tenant with a small share is served next however many requests another has queued; two
   backlogged tenants are served in proportion to their weights.
-- **FIFO within a tenant and band.**
+- **Flows inside a tenant and band** (documents): a request's flow is its document id (the
+  `X-Document-Id` header, name configurable); requests without one form the tenant's default
+  flow. The tenant's turns go to the flow that has had the least service so far (least attained
+  service, on estimated cost), ties to the oldest head: a 3-page document sent while a 300-page
+  one parses goes ahead of it until it has had as much, so short documents finish near their
+  time alone and a long one loses only the short ones' work (docs/flow-control.md, "Documents").
+  A tenant remembers at most `max_flows` flows; idle ones are forgotten least recently used
+  first, and a new id while all are busy joins the default flow: never a refusal.
+- **Steps inside a flow**: MinerU parses a page as a layout request, then one request per block;
+  a flow's block requests (text, table, formula) go ahead of its new layout requests, so pages
+  started finish before new ones start. Otherwise FIFO.
 
 With several replicas sharing fleet state (docs/operate/fleet-state.md) each holds a queue of
 its own requests; given `TenantsElsewhere`, a tenant's limits and its share count every
@@ -44,12 +54,24 @@ so a snapshot shows some waiting at any load.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.routing import LoadModel, WorkerView
+
+# MinerU's second step: one request per block of a page whose layout is known.
+BLOCK_KINDS = frozenset({PromptKind.TEXT, PromptKind.TABLE, PromptKind.FORMULA})
+
+
+def task_of(kind: PromptKind) -> str:
+    """layout (a page's first step), block (its second) or other: queue metrics' task label."""
+    if kind is PromptKind.LAYOUT:
+        return "layout"
+    return "block" if kind in BLOCK_KINDS else "other"
+
 
 # -- room on workers ----------------------------------------------------------------------------
 
@@ -133,12 +155,24 @@ class Ticket:
     size: int  # bytes held while queued
     enqueued_at: float
     model: str | None = None
+    flow: str | None = None  # its document id; None: the tenant's default flow
+    kind: PromptKind = PromptKind.OTHER  # the MinerU task its prompt asks for
     handle: Any = None  # the caller's (the dispatcher's future), opaque here
     queued: bool = False
+    seq: int = 0  # arrival order in the queue, set by `push`
 
     @property
     def name(self) -> str:
         return self.tenant.name
+
+    @property
+    def is_block(self) -> bool:
+        """A request of MinerU's second step (a block of a page)."""
+        return self.kind in BLOCK_KINDS
+
+    @property
+    def task(self) -> str:
+        return task_of(self.kind)
 
 
 class TenantsElsewhere(Protocol):
@@ -156,6 +190,8 @@ class QueueLimits:
     max_queued: int = 4096
     max_queued_bytes: int = 2 * 1024**3
     max_wait_s: float = 300.0
+    max_flows: int = 64  # document flows a tenant keeps (busy and remembered idle ones)
+    order_steps: bool = True  # a flow's block requests ahead of its layout requests
 
 
 class Rejected(Exception):
@@ -168,23 +204,147 @@ class Rejected(Exception):
 
 
 @dataclass(slots=True)
+class _Flow:
+    """A document of a tenant (or the tenant's requests without one), over all bands."""
+
+    attained: float = 0.0  # estimated cost dispatched so far: least first
+    queued: int = 0
+    in_flight: int = 0
+    done: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not (self.queued or self.in_flight)
+
+
+@dataclass(slots=True)
 class _TenantState:
-    """A tenant's counts over all bands, and its position in each band's fair order."""
+    """A tenant's counts over all bands, its position in each band's fair order, its flows."""
 
     policy: TenantPolicy
     queued: int = 0
     queued_bytes: int = 0
     in_flight: int = 0
     finish: dict[int, float] = field(default_factory=dict)  # band -> last finish tag
+    # Document id -> its flow, least recently used first; the default flow (None) is not
+    # among them (it is never forgotten while the tenant is known).
+    flows: OrderedDict[str, _Flow] = field(default_factory=OrderedDict)
+    default_flow: _Flow = field(default_factory=_Flow)
 
     def share(self, by_bytes: bool) -> float:
         return (self.queued_bytes if by_bytes else self.queued) / self.policy.weight
+
+    def flow(self, key: str | None) -> _Flow:
+        if key is None:
+            return self.default_flow
+        return self.flows[key]
+
+    def place(self, ticket: Ticket, max_flows: int) -> _Flow:
+        """The ticket's flow, made (or remembered afresh) if need be. Over `max_flows` the
+        least recently used idle flow is forgotten; with none idle the ticket joins the default
+        flow (`ticket.flow` becomes None)."""
+        key = ticket.flow
+        if key is None:
+            return self.default_flow
+        flows = self.flows
+        found = flows.get(key)
+        if found is not None:
+            flows.move_to_end(key)
+            return found
+        if len(flows) >= max_flows:
+            idle = next((k for k, f in flows.items() if f.idle), None)
+            if idle is None:
+                ticket.flow = None
+                return self.default_flow
+            del flows[idle]
+        made = flows[key] = _Flow()
+        return made
+
+    def busy_flows(self) -> int:
+        """Flows with requests queued or in flight (the default one included)."""
+        return sum(1 for f in self.flows.values() if not f.idle) + (not self.default_flow.idle)
+
+
+class _FlowQueue:
+    """One flow's requests in one band: block requests ahead of the rest, FIFO in each."""
+
+    __slots__ = ("blocks", "flow", "rest")
+
+    def __init__(self, flow: _Flow) -> None:
+        self.flow = flow
+        self.blocks: deque[Ticket] = deque()
+        self.rest: deque[Ticket] = deque()
+
+    def head(self) -> Ticket:
+        return self.blocks[0] if self.blocks else self.rest[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.rest)
+
+
+class _TenantQueue:
+    """One tenant's requests in one band, by flow. Its head is the head of the flow with the
+    least attained service (ties: the earliest arrival)."""
+
+    __slots__ = ("count", "flows", "order_steps")
+
+    def __init__(self, order_steps: bool) -> None:
+        self.flows: dict[str | None, _FlowQueue] = {}
+        self.count = 0
+        self.order_steps = order_steps
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Ticket]:
+        for queue in self.flows.values():
+            yield from queue.blocks
+            yield from queue.rest
+
+    def append(self, ticket: Ticket, flow: _Flow) -> None:
+        queue = self.flows.get(ticket.flow)
+        if queue is None:
+            queue = self.flows[ticket.flow] = _FlowQueue(flow)
+        (queue.blocks if self.order_steps and ticket.is_block else queue.rest).append(ticket)
+        self.count += 1
+
+    def head(self) -> Ticket:
+        flows = self.flows
+        if len(flows) == 1:
+            for queue in flows.values():
+                return queue.head()
+        best: Ticket | None = None
+        best_key = (math.inf, 0)
+        for queue in flows.values():
+            head = queue.head()
+            key = (queue.flow.attained, head.seq)
+            if key < best_key:
+                best, best_key = head, key
+        assert best is not None
+        return best
+
+    def newest(self) -> Ticket:
+        """The most recent arrival: what a full queue sheds first."""
+        tails = [q.blocks[-1] for q in self.flows.values() if q.blocks]
+        tails += [q.rest[-1] for q in self.flows.values() if q.rest]
+        return max(tails, key=lambda t: t.seq)
+
+    def remove(self, ticket: Ticket) -> None:
+        queue = self.flows[ticket.flow]
+        tickets = queue.blocks if self.order_steps and ticket.is_block else queue.rest
+        if tickets[0] is ticket:
+            tickets.popleft()
+        else:
+            tickets.remove(ticket)
+        self.count -= 1
+        if not queue:
+            del self.flows[ticket.flow]
 
 
 @dataclass(slots=True)
 class _Band:
     clock: float = 0.0  # start tag of the band's last dispatch
-    queues: dict[str, deque[Ticket]] = field(default_factory=dict)
+    queues: dict[str, _TenantQueue] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -211,6 +371,8 @@ class FairQueue:
         self._tenants: dict[str, _TenantState] = {}
         self.queued = 0
         self.queued_bytes = 0
+        self._seq = 0
+        self.folded = 0  # requests whose document id found no flow (max_flows): default flow
 
     def __len__(self) -> int:
         return self.queued
@@ -221,9 +383,15 @@ class FairQueue:
         which may be `ticket` itself. Raises Rejected when its tenant's own limit is reached."""
         state = self._tenant(ticket.tenant)
         self._check_tenant(state, ticket)
-        self._bands.setdefault(ticket.priority, _Band()).queues.setdefault(
-            ticket.name, deque()
-        ).append(ticket)
+        flow = self._place(state, ticket)
+        queues = self._bands.setdefault(ticket.priority, _Band()).queues
+        tenant_queue = queues.get(ticket.name)
+        if tenant_queue is None:
+            tenant_queue = queues[ticket.name] = _TenantQueue(self.limits.order_steps)
+        self._seq += 1
+        ticket.seq = self._seq
+        tenant_queue.append(ticket, flow)
+        flow.queued += 1
         self._count(state, ticket, +1)
         ticket.queued = True
         return self._shed()
@@ -262,7 +430,7 @@ class FairQueue:
         )
         name = state.policy.name
         least_urgent = max(p for p, band in self._bands.items() if name in band.queues)
-        victim = self._bands[least_urgent].queues[name][-1]
+        victim = self._bands[least_urgent].queues[name].newest()
         self.remove(victim)
         return victim
 
@@ -286,7 +454,7 @@ class FairQueue:
             if self.may_start(state.policy):
                 everywhere = state.in_flight + self._others(name)[0]
                 tag = max(band.clock, state.finish.get(priority, 0.0))
-                yield tag, everywhere / state.policy.weight, tickets[0]
+                yield tag, everywhere / state.policy.weight, tickets.head()
 
     def pop(self, ticket: Ticket) -> None:
         """Takes `ticket` (the head of its tenant's queue, as `next` returned it) out for
@@ -297,16 +465,29 @@ class FairQueue:
         state.finish[ticket.priority] = start + ticket.cost / state.policy.weight
         band.clock = start
         self._unlink(ticket)
+        self._started(state, ticket)
+
+    def _started(self, state: _TenantState, ticket: Ticket) -> None:
+        flow = state.flow(ticket.flow)
+        flow.attained += ticket.cost
+        flow.in_flight += 1
         state.in_flight += 1
         self._publish(state)
 
-    def done(self, ticket: Ticket) -> None:
-        """A dispatched ticket's request has ended: its tenant may start another."""
+    def done(self, ticket: Ticket) -> tuple[int, int, int] | None:
+        """A dispatched ticket's request has ended: its tenant may start another. Its
+        document's requests (queued, in flight, done) now, if it has a flow of its own."""
         state = self._tenants.get(ticket.name)
-        if state is not None:
-            state.in_flight = max(0, state.in_flight - 1)
-            self._publish(state)
-            self._forget_if_idle(state)
+        if state is None:
+            return None
+        own = state.flows.get(ticket.flow) if ticket.flow is not None else None
+        flow = state.default_flow if own is None else own
+        flow.in_flight = max(0, flow.in_flight - 1)
+        flow.done += 1
+        state.in_flight = max(0, state.in_flight - 1)
+        self._publish(state)
+        self._forget_if_idle(state)
+        return None if own is None else (own.queued, own.in_flight, own.done)
 
     def remove(self, ticket: Ticket) -> None:
         """Takes a queued ticket out without serving it (its client left, it waited too long,
@@ -318,10 +499,10 @@ class FairQueue:
     def _unlink(self, ticket: Ticket) -> None:
         band = self._bands[ticket.priority]
         tickets = band.queues[ticket.name]
-        if tickets[0] is ticket:
-            tickets.popleft()
-        else:
-            tickets.remove(ticket)
+        tickets.remove(ticket)
+        state = self._tenants[ticket.name]
+        flow = state.flow(ticket.flow)
+        flow.queued -= 1
         if not tickets:
             del band.queues[ticket.name]
             if not band.queues:
@@ -331,7 +512,7 @@ class FairQueue:
                 for state in self._tenants.values():
                     state.finish.pop(ticket.priority, None)
         ticket.queued = False
-        self._count(self._tenants[ticket.name], ticket, -1)
+        self._count(state, ticket, -1)
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _tenant(self, policy: TenantPolicy) -> _TenantState:
@@ -339,6 +520,13 @@ class FairQueue:
         if state is None:
             state = self._tenants[policy.name] = _TenantState(policy)
         return state
+
+    def _place(self, state: _TenantState, ticket: Ticket) -> _Flow:
+        asked = ticket.flow
+        flow = state.place(ticket, self.limits.max_flows)
+        if asked is not None and ticket.flow is None:
+            self.folded += 1
+        return flow
 
     def _count(self, state: _TenantState, ticket: Ticket, sign: int) -> None:
         state.queued += sign
@@ -380,11 +568,12 @@ class FairQueue:
         limit = tenant.max_in_flight
         return limit is None or self.in_flight(tenant.name) < limit
 
-    def start_unqueued(self, tenant: TenantPolicy) -> None:
-        """Counts a request dispatched at once, without queueing, against its tenant."""
-        state = self._tenant(tenant)
-        state.in_flight += 1
-        self._publish(state)
+    def start_unqueued(self, ticket: Ticket) -> None:
+        """Counts a request dispatched at once, without queueing, against its tenant and its
+        flow."""
+        state = self._tenant(ticket.tenant)
+        self._place(state, ticket)
+        self._started(state, ticket)
 
     def tickets(self) -> Iterator[Ticket]:
         for band in self._bands.values():
@@ -414,6 +603,17 @@ class FairQueue:
 
     def in_flight_by_tenant(self) -> dict[str, int]:
         return {name: state.in_flight for name, state in self._tenants.items()}
+
+    def flows_by_tenant(self) -> dict[str, int]:
+        """Each tenant's flows with requests queued or in flight (its default flow included)."""
+        return {name: state.busy_flows() for name, state in self._tenants.items()}
+
+    def by_task(self) -> dict[str, int]:
+        """Queued requests by task (layout, block, other)."""
+        found: dict[str, int] = {}
+        for ticket in self.tickets():
+            found[ticket.task] = found.get(ticket.task, 0) + 1
+        return found
 
     def is_idle(self) -> bool:
         return self.queued == 0

@@ -48,6 +48,7 @@ Labels = tuple[str, ...]
 # Up to this many workers, a fleet's request and latency series are per worker by default.
 PER_WORKER_UP_TO = 64
 USAGE_LABELS = ("tenant", "model", "task")
+TASKS = ("layout", "block", "other")  # queue metrics' task label (flow.task_of)
 
 
 class WorkerLabels:
@@ -286,6 +287,15 @@ class GatewayMetrics:
             OVERHEAD_BUCKETS,
         )
     )
+    task_queue_wait: Histogram = field(
+        default_factory=lambda: Histogram(
+            "mineru_gateway_queue_task_wait_seconds",
+            "Time admitted requests waited in the gateway's queue, by MinerU task (layout, "
+            "block, other).",
+            ("task",),
+            OVERHEAD_BUCKETS,
+        )
+    )
     rejections: Counter = field(
         default_factory=lambda: Counter(
             "mineru_gateway_rejections",
@@ -375,6 +385,7 @@ class GatewayMetrics:
             self.ejections,
             self.worker_queue_full,
             self.queue_wait,
+            self.task_queue_wait,
             self.rejections,
             self.tenant_requests,
             self.tenant_tokens,
@@ -393,6 +404,8 @@ class QueueGauges:
 
     queued: dict[tuple[str, str], tuple[int, int]]  # -> (requests, bytes)
     in_flight: dict[str, int]  # tenant -> requests on workers
+    flows: dict[str, int] = field(default_factory=dict)  # tenant -> documents queued or running
+    by_task: dict[str, int] = field(default_factory=dict)  # layout/block/other -> queued
 
 
 class GatewayCollector(Collector):
@@ -471,4 +484,20 @@ def _queue_families(queue: QueueGauges) -> Iterator[Metric]:
     )
     for tenant, count in sorted(queue.in_flight.items()):
         in_flight.add_metric([tenant], count)
-    yield from (requests, size, in_flight)
+    flows = GaugeMetricFamily(
+        "mineru_gateway_tenant_flows",
+        "Flows (documents, and the requests without a document id) of each tenant with "
+        "requests queued or on workers.",
+        labels=["tenant"],
+    )
+    for tenant, count in sorted(queue.flows.items()):
+        flows.add_metric([tenant], count)
+    by_task = GaugeMetricFamily(
+        "mineru_gateway_queue_task_requests",
+        "Requests waiting in the gateway's queue, by MinerU task: layout (a page's first "
+        "step), block (its second) or other.",
+        labels=["task"],
+    )
+    for task in TASKS:
+        by_task.add_metric([task], queue.by_task.get(task, 0))
+    yield from (requests, size, in_flight, flows, by_task)

@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 
 from mineru_gateway.cost import CostInputs, CostModel
+from mineru_gateway.flow import task_of
 from mineru_gateway.metrics import GatewayMetrics, Series
 from mineru_gateway.prompts import PromptKind
 from mineru_gateway.values import value
@@ -47,6 +48,10 @@ class ExchangeRecord:
     queued_s: float = 0.0  # time spent in the gateway's queue
     upstream_sent: float | None = None  # first sent to a worker
     trace_id: str | None = None  # when tracing is on (docs/tracing.md)
+    document: str | None = None  # the client's document id (docs/flow-control.md)
+    # The document's requests queued, on workers and done as this one ended; None when the
+    # queue keeps no flow for it (docs/flow-control.md, "Documents").
+    document_counts: tuple[int, int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,6 +102,10 @@ class Accounting:
 
     def account(self, record: ExchangeRecord) -> None:
         ledger = self.record_metrics(record)
+        if record.worker is not None and record.tenant and record.cost is not None:
+            self.metrics.task_queue_wait.series(task_of(record.cost.prompt.kind)).observe(
+                record.queued_s
+            )
         self.usage.count(record, ledger.model)
         learn_cost(self.cost_model, record)
         log_exchange(record)
@@ -307,4 +316,16 @@ def log_exchange(record: ExchangeRecord) -> None:
         latency_ms=round((record.ended - record.received) * 1000, 2),
         ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
         trace_id=record.trace_id,
+        **_document_fields(record),
     )
+
+
+def _document_fields(record: ExchangeRecord) -> dict[str, Any]:
+    """The document's id and its requests waiting, on workers and done (not in metrics)."""
+    if record.document is None:
+        return {}
+    fields: dict[str, Any] = {"document": record.document}
+    if record.document_counts is not None:
+        queued, in_flight, done = record.document_counts
+        fields |= {"document_queued": queued, "document_running": in_flight, "document_done": done}
+    return fields

@@ -110,6 +110,7 @@ def build_context(
         media=MediaPolicy(settings.media_urls, tuple(settings.media_allowlist)),
         limits=request_limits(settings),
         priority_header=settings.priority_header.lower().encode("latin-1"),
+        document_header=settings.document_header.lower().encode("latin-1"),
         lifecycle=lifecycle or Lifecycle(),
         results=build_result_cache(settings),
     )
@@ -193,6 +194,8 @@ def build_dispatcher(
         max_queued=settings.max_queued,
         max_queued_bytes=settings.max_queued_bytes,
         max_wait_s=settings.max_queue_wait_s,
+        max_flows=settings.max_flows_per_tenant,
+        order_steps=settings.order_steps,
     )
     room = RoomPolicy(
         headroom=settings.batch_headroom,
@@ -252,8 +255,11 @@ def queue_gauges(context: GatewayContext) -> QueueGauges:
         before = queued.get(key, (0, 0))
         queued[key] = (before[0] + count, before[1] + size)
     in_flight = dict.fromkeys(tenants.policies(), 0)
-    in_flight |= context.dispatcher.queue.in_flight_by_tenant()
-    return QueueGauges(queued, in_flight)
+    queue = context.dispatcher.queue
+    in_flight |= queue.in_flight_by_tenant()
+    flows = dict.fromkeys(tenants.policies(), 0)
+    flows |= queue.flows_by_tenant()
+    return QueueGauges(queued, in_flight, flows, queue.by_task())
 
 
 def register_metrics(context: GatewayContext, telemetry: NpuTelemetry | None) -> None:

@@ -73,6 +73,7 @@ class GatewayContext:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     limits: RequestLimits = field(default_factory=RequestLimits)
     priority_header: bytes = b"x-priority"  # lower-cased, as ASGI gives header names
+    document_header: bytes = b"x-document-id"  # lower-cased
     metrics_registry: CollectorRegistry = field(
         default_factory=lambda: CollectorRegistry(auto_describe=False)
     )

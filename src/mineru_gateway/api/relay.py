@@ -42,6 +42,7 @@ from mineru_gateway.api.requests import (
     ParsedRequest,
     Receive,
     forward_priority,
+    header_document,
     header_priority,
     parse_request,
     read_body,
@@ -92,6 +93,8 @@ class Exchange:
         "_tail",
         "attempts",
         "complete",
+        "document",
+        "document_counts",
         "endpoint",
         "extra_headers",
         "finished",
@@ -139,6 +142,9 @@ class Exchange:
         self.usage: dict[str, Any] | None = None  # a non-streamed answer's
         self.tenant = ""
         self.priority = 0
+        self.document: str | None = None  # the client's document id (flow.py)
+        # The document's requests (queued, on workers, done) as the exchange ends.
+        self.document_counts: tuple[int, int, int] | None = None
         self.queued_s = 0.0
         self._itl: Series | None = None
         self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer's head (X-Cache)
@@ -272,6 +278,8 @@ class Exchange:
             self.queued_s,
             self.upstream_sent,
             self.trace.trace_id if self.trace is not None else None,
+            self.document,
+            self.document_counts,
         )
 
 
@@ -324,6 +332,7 @@ class Relay:
             if asked is None:
                 asked = header_priority(headers.get(context.priority_header))
             exchange.priority = tenant.effective_priority(asked)
+            exchange.document = header_document(headers.get(context.document_header))
             request = forward_priority(request, exchange.priority, context.settings.pass_priority)
             admission = Admission(
                 tenant,
@@ -331,9 +340,11 @@ class Relay:
                 context.cost_model.estimate(request.cost),
                 len(request.body),
                 request.model,
+                exchange.document,
+                request.cost.prompt.kind,
             )
             if exchange.trace is not None:
-                exchange.trace.admitted(tenant.name, request)
+                exchange.trace.admitted(tenant.name, request, exchange.document)
             upstream_headers = _upstream_headers(context, headers, exchange.request_id)
             run = functools.partial(self._proxy, context, request, admission, upstream_headers)
             if results is not None and request.cache_tag is not None:
@@ -407,6 +418,7 @@ class Relay:
                     context.metrics.retries.inc(failure.reason)
         finally:
             grant.release()
+            exchange.document_counts = grant.document_counts
 
     async def _attempt(
         self,

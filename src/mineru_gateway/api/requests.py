@@ -129,6 +129,24 @@ def header_priority(value: bytes | None) -> int | None:
         ) from None
 
 
+MAX_DOCUMENT_ID = 256  # bytes of a document id (docs/flow-control.md, "Documents")
+
+
+def header_document(value: bytes | None) -> str | None:
+    """A document id from its header; None when absent or empty."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    if len(value) > MAX_DOCUMENT_ID:
+        raise InvalidRequest(
+            f"the document id header is longer than {MAX_DOCUMENT_ID} bytes",
+            param="document_id",
+        )
+    return value.decode("latin-1")
+
+
 def forward_priority(request: ParsedRequest, priority: int, pass_priority: bool) -> ParsedRequest:
     """The request as workers get it: with the effective `priority` when they schedule by it
     (`pass_priority`), else without a non-zero one, so that only the gateway's order reaches a

@@ -61,17 +61,18 @@ class RequestTrace:
         self._attempt: Span | None = None
         self._relay: Span | None = None
 
-    def admitted(self, tenant: str, request: ParsedRequest) -> None:
+    def admitted(self, tenant: str, request: ParsedRequest, document: str | None = None) -> None:
         prompt = request.cost.prompt
-        self.server.set_attributes(
-            {
-                "mineru.tenant": tenant,
-                "gen_ai.request.model": request.model or "",
-                "mineru.task": prompt.kind.value,
-                "mineru.images": prompt.images,
-                "mineru.stream": request.stream,
-            }
-        )
+        attributes: dict[str, AttributeValue] = {
+            "mineru.tenant": tenant,
+            "gen_ai.request.model": request.model or "",
+            "mineru.task": prompt.kind.value,
+            "mineru.images": prompt.images,
+            "mineru.stream": request.stream,
+        }
+        if document is not None:
+            attributes["mineru.document.id"] = document
+        self.server.set_attributes(attributes)
         self._admission = _ended(self._admission)
 
     def queue_started(self) -> None:
@@ -129,6 +130,15 @@ class RequestTrace:
                 "http.response.status_code": status,
             }
         )
+        if record.document_counts is not None:
+            queued, in_flight, done = record.document_counts
+            server.set_attributes(
+                {
+                    "mineru.document.queued": queued,
+                    "mineru.document.running": in_flight,
+                    "mineru.document.done": done,
+                }
+            )
         if status >= 500:
             server.set_status(StatusCode.ERROR, record.outcome)
         server.end()

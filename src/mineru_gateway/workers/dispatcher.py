@@ -45,6 +45,7 @@ from mineru_gateway.flow import (
     TenantPolicy,
     Ticket,
 )
+from mineru_gateway.prompts import PromptKind
 from mineru_gateway.values import value
 from mineru_gateway.workers.fleet_index import ANY_ROOM
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
@@ -59,12 +60,14 @@ class Admission:
     cost: Cost
     size: int  # request body bytes
     model: str | None
+    document: str | None = None  # its flow inside the tenant (flow.py)
+    kind: PromptKind = PromptKind.OTHER
 
 
 class Grant:
     """A request's lease on a worker, plus its ticket's accounting; `release()` ends both."""
 
-    __slots__ = ("_dispatcher", "lease", "permit", "queued_s", "ticket")
+    __slots__ = ("_dispatcher", "document_counts", "lease", "permit", "queued_s", "ticket")
 
     def __init__(
         self,
@@ -79,11 +82,13 @@ class Grant:
         self.lease = lease
         self.queued_s = queued_s
         self.permit = permit  # the tenant's fleet-wide slot, if it needs one
+        # Its document's requests (queued, in flight, done) as it ended (flow.py).
+        self.document_counts: tuple[int, int, int] | None = None
 
     def release(self) -> None:
         if not self.lease.released:
             dispatcher = self._dispatcher
-            dispatcher.queue.done(self.ticket)
+            self.document_counts = dispatcher.queue.done(self.ticket)
             dispatcher.finished(self.ticket)
             if self.permit is not None:
                 dispatcher.give_back(self.permit)
@@ -259,6 +264,8 @@ class Dispatcher:
             admission.size,
             self._clock(),
             admission.model,
+            admission.document,
+            admission.kind,
         )
         if not self.enabled:
             worker = self.routing.choose_among(offer.views)
@@ -422,7 +429,7 @@ class Dispatcher:
         permit: Permit | None = None,
     ) -> Grant:
         if unqueued:
-            self.queue.start_unqueued(ticket.tenant)
+            self.queue.start_unqueued(ticket)
         lease = self.routing.acquire(worker, admission.cost)
         return Grant(self, ticket, lease, queued_s, permit)
 
