@@ -242,3 +242,29 @@ def test_account_does_all_three() -> None:
     assert [line["request_id"] for line in logs] == ["r1"]
     assert sum(samples(metrics.requests).values()) == 1
     assert model.classes() == 1
+
+
+@pytest.mark.parametrize(
+    ("document", "counts", "fields"),
+    [
+        (None, None, {}),
+        ("scan-7.pdf", None, {"document": "scan-7.pdf"}),  # no flow kept for it (folded)
+        (
+            "scan-7.pdf",
+            (4, 2, 9),
+            {
+                "document": "scan-7.pdf",
+                "document_queued": 4,
+                "document_running": 2,
+                "document_done": 9,
+            },
+        ),
+    ],
+)
+def test_the_access_log_names_the_document_and_its_requests_waiting_and_done(
+    document: str | None, counts: tuple[int, int, int] | None, fields: dict[str, object]
+) -> None:
+    with capture_logs() as logs:
+        log_exchange(replace(STREAMED, document=document, document_counts=counts))
+    [line] = logs
+    assert {k: v for k, v in line.items() if k.startswith("document")} == fields

@@ -216,3 +216,55 @@ def _ready(gateway: str) -> bool | None:
         return httpx.get(gateway + "/ready").status_code == 200 or None
     except httpx.TransportError:
         return None
+
+
+async def test_a_document_sent_behind_another_of_the_same_key_goes_first(
+    start_sim: StartSim, start_gateway: StartGateway
+) -> None:
+    worker = start_sim(max_num_seqs=1, time_scale=0.5)  # ~0.15 s a request, one at a time
+    gateway = start_gateway([worker], batch_limit=1, document_header="X-Doc")
+    order: list[str] = []
+
+    async def send(client: httpx.AsyncClient, document: str) -> None:
+        body = chat(ignore_eos=True)
+        response = await client.post(CHAT, json=body, headers={"x-doc": document})
+        assert response.status_code == 200, response.text
+        order.append(document)
+
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as client:
+        big = [asyncio.create_task(send(client, "big")) for _ in range(12)]
+        await wait_for(lambda: queued(gateway) >= 6 or None)
+        small = [asyncio.create_task(send(client, "small")) for _ in range(2)]
+        await asyncio.gather(*big, *small)
+    # Behind what was already on the worker, no more: the small document had no service yet.
+    first = order.index("small")
+    assert first <= HOLD + 1 and order[first + 1] == "small"
+
+
+async def test_documents_show_as_flows_per_tenant_never_as_labels(
+    scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    script, worker = scripted
+    script.mode = "hang"
+    gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
+    async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
+        held = [asyncio.create_task(client.post(CHAT, json=chat())) for _ in range(HOLD)]
+        await wait_for(lambda: len(script.seen) == HOLD or None)
+        documents = ["report-2026.pdf", "report-2026.pdf", "invoice-17.pdf"]
+        waiting = [
+            asyncio.create_task(client.post(CHAT, json=chat(), headers={"X-Document-Id": d}))
+            for d in documents
+        ]
+        await wait_for(lambda: queued(gateway) == 3 or None)
+        text = (await asyncio.to_thread(httpx.get, gateway + "/metrics")).text
+        # Two documents queued plus the requests without one on the worker.
+        assert 'mineru_gateway_tenant_flows{tenant="default"} 3.0' in text
+        assert 'mineru_gateway_queue_task_requests{task="other"} 3.0' in text
+        assert "report-2026" not in text and "invoice-17" not in text
+        too_long = await client.post(CHAT, json=chat(), headers={"X-Document-Id": "x" * 257})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["type"] == "invalid_request_error"
+        for task in [*held, *waiting]:
+            task.cancel()
+        await asyncio.gather(*held, *waiting, return_exceptions=True)
+    await wait_for(lambda: queued(gateway) == 0 or None)
