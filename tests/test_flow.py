@@ -510,3 +510,43 @@ def test_a_full_queue_sheds_the_newest_request_across_a_tenants_flows() -> None:
         assert queue.push(item) == []
     newest = ticket(A, flow="y")
     assert queue.push(newest) == [newest]
+
+
+# -- the reserve: room kept for tenants and documents below their share -------------------------
+
+
+def test_the_reserve_is_room_outside_which_a_request_at_its_share_must_fit() -> None:
+    room = RoomPolicy(min_headroom=2, reserve=2)
+    assert room.capacity(_view(batch=10)) == 12
+    assert room.has_room(_view(10, batch=10)) and not room.has_open_room(_view(10, batch=10))
+    assert room.has_open_room(_view(9, batch=10))
+    assert RoomPolicy(min_headroom=2).has_open_room(_view(11, batch=10))  # no reserve
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "asking", "below"),
+    [
+        # tenant or (tenant, document) -> requests in flight; who asks; below its share?
+        ({A: 5}, A, False),  # alone: the reserve is not its
+        ({A: 5}, B, True),  # another tenant with nothing in flight
+        ({A: 5, B: 5}, B, False),
+        ({A: 5, B: 4}, B, True),
+        ({(A, "big"): 20}, (A, "small"), True),  # a new document of the same tenant
+        ({(A, "big"): 20, (A, "small"): 3}, (A, "small"), True),
+        ({(A, "big"): 20, (A, "small"): 3}, (A, "big"), False),
+        ({(A, None): 4}, (A, "doc"), True),  # a document next to requests without one
+        ({(A, "doc"): 4}, A, True),  # and the other way round
+    ],
+)
+def test_below_its_share_between_tenants_then_between_a_tenants_documents(
+    in_flight: dict[TenantPolicy | tuple[TenantPolicy, str | None], int],
+    asking: TenantPolicy | tuple[TenantPolicy, str | None],
+    below: bool,
+) -> None:
+    queue = FairQueue()
+    for who, count in in_flight.items():
+        tenant, flow = who if isinstance(who, tuple) else (who, None)
+        for _ in range(count):
+            queue.start_unqueued(ticket(tenant, flow=flow))
+    tenant, flow = asking if isinstance(asking, tuple) else (asking, None)
+    assert queue.below_share(ticket(tenant, flow=flow)) is below

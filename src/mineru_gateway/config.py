@@ -469,6 +469,14 @@ class GatewaySettings(BaseSettings):
         description="The least headroom, in requests, whatever the batch size: a freed slot is "
         "refilled from the worker's own queue while the gateway's next request is on its way.",
     )
+    batch_reserve: int = Field(
+        0,
+        ge=0,
+        description="Of each worker's batch plus headroom, the last requests' room is kept for "
+        "tenants (and, inside a tenant, documents) below their share: their next request starts "
+        "at the worker's next step however full another keeps the batches "
+        '(docs/flow-control.md, "Interactive work under floods").',
+    )
     pass_priority: bool = Field(
         False,
         description="Forward each request's effective priority to the workers (start them with "

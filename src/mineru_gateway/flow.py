@@ -83,6 +83,9 @@ class RoomPolicy:
     default_batch: int = 256  # vLLM's default max_num_seqs, until a worker's own is learnt
     headroom: float = 0.0  # requests allowed to wait on a worker, as a share of its batch
     min_headroom: int = 2
+    # Of a worker's capacity, the last `reserve` requests' room is only for requests of a
+    # tenant (or, inside a tenant, a flow) below its share (`FairQueue.below_share`).
+    reserve: int = 0
     load: LoadModel = field(default_factory=LoadModel)
     # batch_limit -> its capacity: asked for every worker on every request, from the few batch
     # sizes the workers have (configured, learnt, or vLLM's default).
@@ -112,6 +115,10 @@ class RoomPolicy:
         if reported is not None and reported.kv_usage >= self.load.kv_avoid_above:
             return False  # short of KV cache: what is sent now waits inside the worker
         return self.occupied(view) < self.capacity(view)
+
+    def has_open_room(self, view: WorkerView) -> bool:
+        """Room outside the reserve: what a request at or above its share may take."""
+        return self.has_room(view) and self.occupied(view) < self.capacity(view) - self.reserve
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
@@ -567,6 +574,31 @@ class FairQueue:
         slots hold it: fleet/slots.py)."""
         limit = tenant.max_in_flight
         return limit is None or self.in_flight(tenant.name) < limit
+
+    def below_share(self, ticket: Ticket) -> bool:
+        """Whether the ticket's tenant has fewer requests in flight for its weight than another
+        tenant with requests in flight, or, inside its tenant, its flow fewer than another flow:
+        such a request may take the room workers keep in reserve (`RoomPolicy.reserve`), so
+        that it starts at the next engine step however full a flood keeps the batches."""
+        mine = self._share(ticket.tenant)
+        for name, other in self._tenants.items():
+            if name != ticket.name and other.in_flight and self._share(other.policy) > mine:
+                return True
+        state = self._tenants.get(ticket.name)
+        if state is None:
+            return False
+        if ticket.flow is None:
+            own_in_flight = state.default_flow.in_flight
+        else:
+            own = state.flows.get(ticket.flow)
+            own_in_flight = 0 if own is None else own.in_flight
+        if state.default_flow.in_flight > own_in_flight:
+            return True
+        return any(flow.in_flight > own_in_flight for flow in state.flows.values())
+
+    def _share(self, tenant: TenantPolicy) -> float:
+        """The tenant's requests in flight, in every replica, for its weight."""
+        return (self.in_flight(tenant.name) + self._others(tenant.name)[0]) / tenant.weight
 
     def start_unqueued(self, ticket: Ticket) -> None:
         """Counts a request dispatched at once, without queueing, against its tenant and its

@@ -200,6 +200,7 @@ def build_dispatcher(
     room = RoomPolicy(
         headroom=settings.batch_headroom,
         min_headroom=settings.batch_headroom_min,
+        reserve=settings.batch_reserve,
         load=load_model,
     )
     fleet = build_fleet_slots(settings)  # tenants' in-flight slots shared by every replica

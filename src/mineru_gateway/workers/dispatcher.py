@@ -46,6 +46,7 @@ from mineru_gateway.flow import (
     Ticket,
 )
 from mineru_gateway.prompts import PromptKind
+from mineru_gateway.routing import WorkerView
 from mineru_gateway.values import value
 from mineru_gateway.workers.fleet_index import ANY_ROOM
 from mineru_gateway.workers.registry import Lease, Worker, WorkerRegistry
@@ -271,13 +272,14 @@ class Dispatcher:
             worker = self.routing.choose_among(offer.views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         slotted = permit is not None or not self._needs_slot(admission.tenant)
+        views = self._open(ticket, offer.views) if offer.roomy else []
         if (
-            offer.roomy
+            views
             and slotted
             and self.queue.is_idle()
             and self.queue.may_start(admission.tenant)
         ):
-            worker = self.routing.choose_among(offer.views)
+            worker = self.routing.choose_among(views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True, permit=permit)
         return ticket
 
@@ -384,13 +386,16 @@ class Dispatcher:
             return False
         ticket = self.queue.next(
             lambda ticket: (
-                (ticket.model is None or ticket.model in models) and self._has_slot(ticket)
+                (ticket.model is None or ticket.model in models)
+                and self._has_slot(ticket)
+                and self._has_open_room(ticket)
             )
         )
         if ticket is None:
             return False
         offer = self.routing.offer(ticket.model, self.room)
-        if not offer.roomy:
+        views = self._open(ticket, offer.views) if offer.roomy else []
+        if not views:
             return False
         waiter = _waiter(ticket)
         self._stop_timer(ticket)
@@ -400,12 +405,26 @@ class Dispatcher:
             self._remove(ticket)
             return True
         self.queue.pop(ticket)
-        worker = self.routing.choose_among(offer.views)
+        worker = self.routing.choose_among(views)
         queued_s = self._clock() - ticket.enqueued_at
         permit = self._spare_slot(ticket)
         grant = self._grant(ticket, worker, waiter.admission, queued_s, permit=permit)
         waiter.future.set_result(grant)
         return True
+
+    def _open(self, ticket: Ticket, views: list[WorkerView]) -> list[WorkerView]:
+        """The workers among `views` the ticket may go to: all with room for a request below
+        its share, else those with room outside their reserve (flow.RoomPolicy.reserve)."""
+        room = self.room
+        if not room.reserve or self.queue.below_share(ticket):
+            return views
+        return [view for view in views if room.has_open_room(view)]
+
+    def _has_open_room(self, ticket: Ticket) -> bool:
+        if not self.room.reserve:
+            return True
+        offer = self.routing.offer(ticket.model, self.room)
+        return offer.roomy and bool(self._open(ticket, offer.views))
 
     def _fail_unservable(self) -> None:
         """Queued requests for a model no healthy worker serves any more cannot wait for room.
