@@ -146,3 +146,21 @@ def test_a_gateway_without_tracing_never_starts_the_sdk() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_a_documents_id_and_its_requests_are_attributes_of_the_trace_and_the_access_log(
+    receiver: Receiver, scripted: tuple[Script, str], start_gateway: StartGateway
+) -> None:
+    _, worker = scripted
+    gateway = start_gateway([worker], tracing=True, log_level="info")
+    headers = {"traceparent": TRACEPARENT, "X-Document-Id": "annual-report.pdf"}
+    with capture_logs() as logs:
+        assert httpx.post(gateway + CHAT, json=BODY, headers=headers).status_code == 200
+    [access] = [entry for entry in logs if entry["event"] == "request"]
+    assert access["document"] == "annual-report.pdf"
+    assert (access["document_queued"], access["document_running"]) == (0, 0)
+    assert access["document_done"] == 1
+    server = trace_of(receiver, CLIENT_TRACE, {f"POST {CHAT}"})[f"POST {CHAT}"]
+    assert server.attributes["mineru.document.id"] == "annual-report.pdf"
+    assert server.attributes["mineru.document.done"] == 1
+    assert server.attributes["mineru.document.queued"] == 0
