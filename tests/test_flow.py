@@ -521,6 +521,9 @@ def test_the_reserve_is_room_outside_which_a_request_at_its_share_must_fit() -> 
     assert room.has_room(_view(10, batch=10)) and not room.has_open_room(_view(10, batch=10))
     assert room.has_open_room(_view(9, batch=10))
     assert RoomPolicy(min_headroom=2).has_open_room(_view(11, batch=10))  # no reserve
+    # However large the reserve, one request's room stays open: a lone tenant never stalls.
+    huge = RoomPolicy(min_headroom=2, reserve=50)
+    assert huge.has_open_room(_view(0, batch=10)) and not huge.has_open_room(_view(1, batch=10))
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ class Run:
     gateway: tuple[str, ...] = ()
 
 
-FCFS = ("--order-steps", "false")
+FCFS = ("--order-steps", "false", "--batch-reserve", "0")
 
 
 def runs(scenario: str) -> list[Run]:
@@ -102,6 +102,7 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
         gateway_argv = [
             *("--workers", ",".join(workers)),
             *("--batch-limit", str(args.max_num_seqs)),
+            *(args.gateway_arg if run.gateway != FCFS else ()),
             *run.gateway,
         ]
         stand.spawn(
@@ -141,7 +142,7 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
     return {
         "name": run.name,
         "what": run.what,
-        "gateway_args": ["--batch-limit", str(args.max_num_seqs), *run.gateway],
+        "gateway_args": gateway_argv[2:],
         "ids": run.ids,
         **result,
     }
@@ -290,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--venv", type=Path, default=client_venv.DEFAULT_VENV)
+    parser.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="passed to the gateway of every run but first come, first served's",
+    )
     args = parser.parse_args(argv)
     python = client_venv.ensure(args.venv)
     log_root = Path(tempfile.mkdtemp(prefix="mineru-documents-bench-"))

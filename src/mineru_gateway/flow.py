@@ -117,8 +117,11 @@ class RoomPolicy:
         return self.occupied(view) < self.capacity(view)
 
     def has_open_room(self, view: WorkerView) -> bool:
-        """Room outside the reserve: what a request at or above its share may take."""
-        return self.has_room(view) and self.occupied(view) < self.capacity(view) - self.reserve
+        """Room outside the reserve (which leaves at least one request's): what a request at or
+        above its share may take."""
+        capacity = self.capacity(view)
+        open_capacity = max(1, capacity - self.reserve)
+        return self.has_room(view) and self.occupied(view) < open_capacity
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]
