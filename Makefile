@@ -14,7 +14,7 @@ ARGS ?=
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-one-process bench-flow \
 	bench-flow-vllm mineru-vl-utils mineru-clients \
-	bench-mineru-client bench-soak bench-cache bench-fleet bench-queue-full vllm-router wrk-nginx clean
+	bench-mineru-client bench-documents bench-soak bench-cache bench-fleet bench-queue-full vllm-router wrk-nginx clean
 
 NO_PYTHON = $(if $(PYTHON),PYTHON=$(PYTHON) is not,none of python3.11-python3.14 or python3 is)
 check-python:
@@ -125,6 +125,12 @@ mineru-vl-utils: install
 bench-mineru-client: install mineru-vl-utils
 	$(BIN)/python -m benchmarks.mineru_client --pages 100 --venv $(MINERU_VL_UTILS_VENV) \
 		--out benchmarks/results/flow_mineru_client.json
+
+## Documents through one key with MinerU's own client: small documents behind a large one, and a
+## 100-page document's pages in flight, against first come, first served (about 6 minutes).
+bench-documents: install mineru-vl-utils
+	$(BIN)/python -m benchmarks.mineru_client.documents --venv $(MINERU_VL_UTILS_VENV) \
+		--gateway-arg=--batch-reserve=2 --out benchmarks/results/flow_documents.json
 
 ## The peer router the routing benchmark compares against (a Rust binary in a PyPI wheel).
 VLLM_ROUTER_VENV ?= $(CACHE)/vllm-router-0.1.17
