@@ -470,7 +470,7 @@ class GatewaySettings(BaseSettings):
         "refilled from the worker's own queue while the gateway's next request is on its way.",
     )
     batch_reserve: int = Field(
-        0,
+        2,
         ge=0,
         description="Of each worker's batch plus headroom, the last requests' room is kept for "
         "tenants (and, inside a tenant, documents) below their share: their next request starts "

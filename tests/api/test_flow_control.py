@@ -20,7 +20,8 @@ from tests.support.servers import CliProcess, wait_until
 from tests.support.workers import Script
 
 CHAT = "/v1/chat/completions"
-# batch_limit 1 and the minimum headroom of 2: three requests fit on a worker.
+# batch_limit 1 and the minimum headroom of 2: three requests fit on a worker. Tests that count
+# on it turn the reserve off (`batch_reserve` 0): with it, a lone tenant leaves the headroom free.
 HOLD = 3
 
 
@@ -59,7 +60,12 @@ async def test_past_a_tenants_queue_limit_it_gets_429_with_retry_after(
     script, worker = scripted
     script.mode = "hang"
     gateway = start_gateway(
-        [worker], batch_limit=1, api_keys="ka,kb", tenant_max_queued=2, max_queue_wait_s=60
+        [worker],
+        batch_limit=1,
+        batch_reserve=0,
+        api_keys="ka,kb",
+        tenant_max_queued=2,
+        max_queue_wait_s=60,
     )
     async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
         held = [
@@ -91,7 +97,7 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once(
 ) -> None:
     script, worker = scripted
     script.mode = "hang"
-    gateway = start_gateway([worker], batch_limit=1)
+    gateway = start_gateway([worker], batch_limit=1, batch_reserve=0)
     async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
         # The held requests reach the worker first: requests sent together reach the gateway in
         # any order, and the one cancelled below must be the one waiting in its queue.
@@ -183,6 +189,8 @@ async def test_on_sigterm_queued_requests_get_503_before_the_drain_deadline(
         worker,
         "--batch-limit",
         "1",
+        "--batch-reserve",
+        "0",
         "--drain-timeout-s",
         "3",
         "--log-level",
@@ -236,9 +244,9 @@ async def test_a_document_sent_behind_another_of_the_same_key_goes_first(
         await wait_for(lambda: queued(gateway) >= 6 or None)
         small = [asyncio.create_task(send(client, "small")) for _ in range(2)]
         await asyncio.gather(*big, *small)
-    # Behind what was already on the worker, no more: the small document had no service yet.
-    first = order.index("small")
-    assert first <= HOLD + 1 and order[first + 1] == "small"
+    # Behind what was already on the worker, no more: the small document had no service yet
+    # (and, below its share, it may take the room the worker keeps in reserve).
+    assert order.index("small") <= HOLD + 1 and order[: HOLD + 3].count("small") == 2
 
 
 async def test_documents_show_as_flows_per_tenant_never_as_labels(
@@ -246,7 +254,7 @@ async def test_documents_show_as_flows_per_tenant_never_as_labels(
 ) -> None:
     script, worker = scripted
     script.mode = "hang"
-    gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
+    gateway = start_gateway([worker], batch_limit=1, batch_reserve=0, max_queue_wait_s=60)
     async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
         held = [asyncio.create_task(client.post(CHAT, json=chat())) for _ in range(HOLD)]
         await wait_for(lambda: len(script.seen) == HOLD or None)

@@ -24,7 +24,8 @@ from tests.support.servers import serve, wait_until
 CHAT = "/v1/chat/completions"
 BODY = {"model": "counting-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 AUTOSCALING = ROOT / "deploy" / "k8s" / "autoscaling"
-# batch_limit 1 and the minimum headroom of 2: three requests on the worker, the rest queue.
+# batch_limit 1 and the minimum headroom of 2, no reserve: three requests on the worker, the rest
+# queue.
 ROOM = 3
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,7 @@ async def test_the_backlog_rises_with_a_queue_and_falls_as_it_drains(
 ) -> None:
     counts = CountingWorker(hold_s=0.3)
     worker = servers.enter_context(serve(counts))
-    gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
+    gateway = start_gateway([worker], batch_limit=1, batch_reserve=0, max_queue_wait_s=60)
     assert gauges(gateway, counts.model) == (0.0, 0.0)  # the series exist before any queue
     load = asyncio.create_task(send(gateway, 6 * ROOM))
     samples = []
@@ -98,7 +99,7 @@ async def test_prometheus_evaluates_the_autoscalers_queries(
 ) -> None:
     counts = CountingWorker(hold_s=1.0)
     worker = servers.enter_context(serve(counts))
-    gateway = start_gateway([worker], batch_limit=1, max_queue_wait_s=60)
+    gateway = start_gateway([worker], batch_limit=1, batch_reserve=0, max_queue_wait_s=60)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
