@@ -421,10 +421,12 @@ class Dispatcher:
         return [view for view in views if room.has_open_room(view)]
 
     def _has_open_room(self, ticket: Ticket) -> bool:
-        if not self.room.reserve:
+        """Whether some worker has room the ticket may take (`_open`)."""
+        room = self.room
+        if not room.reserve or self.queue.below_share(ticket):
             return True
-        offer = self.routing.offer(ticket.model, self.room)
-        return offer.roomy and bool(self._open(ticket, offer.views))
+        offer = self.routing.offer(ticket.model, room)
+        return offer.roomy and any(room.has_open_room(view) for view in offer.views)
 
     def _fail_unservable(self) -> None:
         """Queued requests for a model no healthy worker serves any more cannot wait for room.
