@@ -273,12 +273,7 @@ class Dispatcher:
             return self._grant(ticket, worker, admission, 0.0, unqueued=True)
         slotted = permit is not None or not self._needs_slot(admission.tenant)
         views = self._open(ticket, offer.views) if offer.roomy else []
-        if (
-            views
-            and slotted
-            and self.queue.is_idle()
-            and self.queue.may_start(admission.tenant)
-        ):
+        if views and slotted and self.queue.is_idle() and self.queue.may_start(admission.tenant):
             worker = self.routing.choose_among(views)
             return self._grant(ticket, worker, admission, 0.0, unqueued=True, permit=permit)
         return ticket
