@@ -10,7 +10,7 @@ SMALL_MODEL ?= $(CACHE)/small-qwen2
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: install check-python lock run test test-fast lint typecheck vllm small-model system-deps bench bench-seed \
+.PHONY: install check-python lock run test test-fast test-unit lint typecheck vllm small-model system-deps bench bench-seed \
 	bench-thirdparty bench-memory bench-small-requests bench-page-images bench-streamed-events bench-request-path \
 	bench-routing bench-routing-vllm bench-replicas bench-one-process bench-flow \
 	bench-flow-vllm mineru-vl-utils mineru-clients \
@@ -91,6 +91,11 @@ mineru-clients: install
 test: lint typecheck system-deps vllm mineru-clients
 	MINERU_VLLM_PYTHON=$(VLLM_VENV)/bin/python MINERU_TINY_MODEL=$(TINY_MODEL) \
 		$(BIN)/pytest --cov --cov-report=term $(PYTEST_ARGS)
+
+## The offline lane while you work (CONTRIBUTING.md): tests marked `unit`, the pure modules and the
+## HTTP protocol; no network, redis-server, Prometheus or vLLM, and a refused reach fails the test.
+test-unit: install
+	$(BIN)/pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 ## Without the real-vLLM tests: for quick iterations only, CI runs `make test`.
 test-fast: install

@@ -11,6 +11,7 @@ import pytest
 
 from mineru_gateway.api.app import create_app
 from mineru_gateway.config import GatewaySettings
+from tests.support.offline import GUARD
 from tests.support.servers import serve, serve_gateway
 from tests.support.workers import Script, scripted_worker
 
@@ -57,3 +58,31 @@ def start_sim(servers: ExitStack) -> StartSim:
 def scripted(servers: ExitStack) -> tuple[Script, str]:
     script = Script()
     return script, servers.enter_context(serve(scripted_worker(script)))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("unit") and item.get_closest_marker("vllm"):
+            raise pytest.UsageError(f"{item.nodeid}: a unit test cannot need real vLLM")
+
+
+@pytest.fixture(autouse=True)
+def offline_when_unit(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked `unit` reach loopback only and start no server program (support/offline.py)."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    with GUARD.watching() as refused:
+        yield
+    assert not refused, f"the unit lane is offline, yet this test tried {refused}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A skipped test fails: a missing dependency is installed by the project's files, not
+    passed over (CONTRIBUTING.md)."""
+    report: pytest.TestReport = yield
+    if report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, which this suite counts as a failure: {report.longrepr}"
+    return report

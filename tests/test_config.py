@@ -17,6 +17,8 @@ from mineru_gateway.config import (
     memory_limit,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:

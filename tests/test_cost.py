@@ -17,6 +17,8 @@ from mineru_gateway.prompts import (
     estimate_completion,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def png_data_url(width: int, height: int, padding: int = 0) -> str:
     header = b"\x89PNG\r\n\x1a\n"

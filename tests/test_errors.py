@@ -30,6 +30,8 @@ from mineru_gateway.errors import (
     WorkersBusy,
 )
 
+pytestmark = pytest.mark.unit
+
 # error class, its parent, status, `type`, `code`: the docstring's table.
 TREE = [
     (GatewayError, Exception, 500, "internal_error", "internal_error"),

@@ -20,6 +20,8 @@ from mineru_gateway.flow import (
 from mineru_gateway.prompts import PromptKind
 from mineru_gateway.routing import LoadModel, ReportedLoad, WorkerView
 
+pytestmark = pytest.mark.unit
+
 A, B, C = TenantPolicy("a"), TenantPolicy("b"), TenantPolicy("c")
 
 

@@ -15,6 +15,8 @@ from PIL import Image
 
 from mineru_gateway.images import Base64Prefix, data_url_start, image_size
 
+pytestmark = pytest.mark.unit
+
 
 def encoded(image: Image.Image, format: str, **options: object) -> str:
     buffer = io.BytesIO()

@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
+
 from mineru_gateway.periodic import Periodic, stop_all
+
+pytestmark = pytest.mark.unit
 
 
 async def test_a_loop_runs_after_each_interval_and_stops() -> None:

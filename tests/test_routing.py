@@ -21,6 +21,8 @@ from mineru_gateway.routing import (
     make_policy,
 )
 
+pytestmark = pytest.mark.unit
+
 M = frozenset({"m"})
 
 

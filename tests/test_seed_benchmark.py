@@ -254,7 +254,6 @@ def test_the_published_98_ms_p50_is_shown_to_be_no_e2e_latency() -> None:
 
 
 def test_the_document_is_written_with_its_markdown_and_plot(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     runs = [run("gateway", recorded("gateway")), run("vllm_dp", recorded("vllm_dp"))]
     out = tmp_path / "seed.json"
     report.write(document(runs), out)

@@ -7,6 +7,8 @@ import pytest
 from mineru_gateway.vllm_contract import VllmLoad, parse_vllm_load
 from tests.conftest import FIXTURES
 
+pytestmark = pytest.mark.unit
+
 
 def test_reads_the_recorded_vllm_exposition() -> None:
     text = (FIXTURES / "vllm" / "metrics.txt").read_bytes()

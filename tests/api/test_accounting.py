@@ -21,6 +21,8 @@ from mineru_gateway.cost import CostInputs, CostModel
 from mineru_gateway.metrics import Counter, GatewayMetrics, Histogram
 from mineru_gateway.prompts import PromptEstimate, PromptKind
 
+pytestmark = pytest.mark.unit
+
 WORKER = "http://127.0.0.1:30001"
 COST = CostInputs(
     "m", PromptEstimate(1400, PromptKind.LAYOUT, True), max_tokens=None, ignore_eos=False

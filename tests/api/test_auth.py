@@ -8,6 +8,8 @@ import pytest
 from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.config import GatewaySettings
 
+pytestmark = pytest.mark.unit
+
 CLIENT = b"Bearer client-key"
 
 

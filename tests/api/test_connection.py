@@ -29,6 +29,8 @@ from tests.support.raw_http import chunk, connect, content_length, exchange
 from tests.support.servers import serve, serve_gateway, wait_until
 from tests.support.workers import Script
 
+pytestmark = pytest.mark.unit
+
 
 class LinkApp:
     """Answers every request through its link (the path in the body), or waits for the client
@@ -53,8 +55,14 @@ class LinkApp:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"asgi"})
         elif scope["path"] == "/wait":
-            link.on_lost(self._on_lost)
-            await asyncio.sleep(30)
+            gone = asyncio.Event()
+
+            def on_lost() -> None:
+                self._on_lost()
+                gone.set()
+
+            link.on_lost(on_lost)
+            await gone.wait()  # and then ends, so the server stops without waiting on it
         elif scope["path"] == "/late":
             while not link.done:  # noqa: ASYNC110 - the loss has no event to wait on here
                 await asyncio.sleep(0.01)

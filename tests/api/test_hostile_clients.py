@@ -23,6 +23,8 @@ from tests.support.raw_http import chunk, connect, content_length, exchange, unt
 from tests.support.servers import GatewayServerThread, wait_until
 from tests.support.workers import Script
 
+pytestmark = pytest.mark.unit
+
 SHORT = Timeouts(head_s=0.5, body_idle_s=0.5, keep_alive_s=1.0)
 POST = b"POST /echo HTTP/1.1\r\nHost: x\r\n"
 CHUNKED = POST + b"Transfer-Encoding: chunked\r\n\r\n"

@@ -18,6 +18,8 @@ from tests.conftest import StartGateway
 from tests.support.workers import Script
 from tests.test_images import png_header
 
+pytestmark = pytest.mark.unit
+
 CHAT = "/v1/chat/completions"
 
 

@@ -13,6 +13,8 @@ from mineru_gateway.prompts import Chat
 from tests.conftest import StartGateway
 from tests.support.workers import Script
 
+pytestmark = pytest.mark.unit
+
 PNG = "data:image/png;base64,iVBORw0KGgo="
 METADATA = "http://169.254.169.254/latest/meta-data/"
 

@@ -14,6 +14,8 @@ from benchmarks.small_requests import chat_body
 from mineru_gateway.api import payload
 from mineru_gateway.api.payload import ELIDE_FROM, loads
 
+pytestmark = pytest.mark.unit
+
 LONG = "data:image/png;base64," + "iVBORw0KGgo" * (ELIDE_FROM // 8)
 SHORT = "data:image/png;base64,iVBORw0KGgo="
 

@@ -18,6 +18,8 @@ from mineru_gateway.api.requests import ClientDisconnected, parse_request, read_
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import PromptKind, estimate_chat
 
+pytestmark = pytest.mark.unit
+
 Message = MutableMapping[str, Any]
 
 

@@ -21,6 +21,8 @@ from mineru_gateway.api.connection import MAX_HEAD_BYTES, Timeouts
 from tests.support.raw_http import connect, exchange, until_closed
 from tests.support.servers import GatewayServerThread, serve_gateway, wait_until
 
+pytestmark = pytest.mark.unit
+
 MISUSES: dict[str, list[dict[str, Any]]] = {
     # path: the messages sent, the last of which `send` refuses
     "/body-first": [{"type": "http.response.body", "body": b"x"}],

@@ -17,6 +17,8 @@ from tests.conftest import StartGateway
 from tests.support.servers import serve, wait_until
 from tests.support.workers import Script, flood_event
 
+pytestmark = pytest.mark.unit
+
 CHAT = "/v1/chat/completions"
 BODY = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 

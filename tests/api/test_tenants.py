@@ -12,6 +12,8 @@ from mineru_gateway.api.tenants import DEFAULT_TENANT, TenantDirectory
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.errors import AuthenticationFailed
 
+pytestmark = pytest.mark.unit
+
 TENANTS_DOC = Path(__file__).resolve().parents[2] / "docs" / "flow-control.md"
 
 

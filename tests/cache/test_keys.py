@@ -9,6 +9,8 @@ from mineru_gateway.api.requests import parse_request
 from mineru_gateway.cache.answers import Answer, complete, decode, encode, replay_stream
 from mineru_gateway.cache.keys import scoped_key
 
+pytestmark = pytest.mark.unit
+
 PAGE = "data:image/png;base64," + "A" * 40_000  # long enough for payload.py's elision
 
 

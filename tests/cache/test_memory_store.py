@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from mineru_gateway.cache.answers import Answer
 from mineru_gateway.cache.metrics import CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore
+
+pytestmark = pytest.mark.unit
 
 
 def answer(size: int) -> Answer:

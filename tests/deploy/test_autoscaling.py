@@ -19,6 +19,8 @@ import yaml
 from mineru_gateway.entry.cli import build_parser
 from tests.deploy.test_k8s import K8S, KEYS_SECRET, KUBERNETES_VERSION, container, kustomize, one
 
+pytestmark = pytest.mark.unit
+
 AUTOSCALING = K8S / "autoscaling"
 HPA, KEDA = AUTOSCALING / "hpa", AUTOSCALING / "keda"
 ADAPTER_VALUES = HPA / "prometheus-adapter-rules.yaml"

@@ -19,6 +19,8 @@ from benchmarks.dashboard_snapshot import (
 from mineru_gateway.testing import free_port
 from tests.deploy.support import DASHBOARDS
 
+pytestmark = pytest.mark.unit
+
 
 def test_substitute_replaces_variables_as_grafana_does() -> None:
     expr = 'rate(x{model=~"$model", worker=~"${worker}"}[$__rate_interval]) + $unknown'

@@ -14,6 +14,8 @@ from benchmarks.dashboard_snapshot import iter_panels, panel_queries
 
 from tests.deploy.support import DASHBOARDS, GRAFANA_DIR, RULE_FILES, recorded_names
 
+pytestmark = pytest.mark.unit
+
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 _VARIABLE = re.compile(r"\$\{?(\w+)")
 _RECORDED = re.compile(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+")

@@ -36,6 +36,8 @@ from tests.faults.harness import (
     serve_ok,
 )
 
+pytestmark = pytest.mark.unit
+
 EVENT = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 # The head of a chunk that would carry a whole event, and only the first part of that event.
 CUT_EVENT = b"%x\r\n" % len(EVENT) + EVENT[:25]

@@ -5,6 +5,8 @@ import pytest
 
 from mineru_gateway.sim import SimConfig, add_sim_arguments, sim_config_from_args
 
+pytestmark = pytest.mark.unit
+
 
 def parse(*argv: str) -> SimConfig:
     parser = argparse.ArgumentParser()

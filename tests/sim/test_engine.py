@@ -11,6 +11,8 @@ from mineru_gateway.sim import workload
 from mineru_gateway.sim.config import SimConfig
 from mineru_gateway.sim.engine import EngineLoop, RequestState, Scheduler, SimRequest
 
+pytestmark = pytest.mark.unit
+
 SMALL = SimConfig(
     max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=1024, kv_cache_tokens=65536
 )

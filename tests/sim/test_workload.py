@@ -7,6 +7,8 @@ from mineru_gateway import prompts
 from mineru_gateway.prompts import PromptKind
 from mineru_gateway.sim import workload
 
+pytestmark = pytest.mark.unit
+
 
 def png(width: int, height: int, payload: int = 0) -> bytes:
     ihdr = struct.pack(">II5B", width, height, 8, 2, 0, 0, 0)

@@ -18,6 +18,8 @@ from mineru_gateway.telemetry.npu_smi import (
 from tests.support.npu_smi_stub import fixture
 from tests.telemetry import tables
 
+pytestmark = pytest.mark.unit
+
 INFO = fixture("info_910B3_x8_idle.txt")
 
 # (npu, power W, temp C, HBM used MB, bus id) as recorded in info_910B3_x8_idle.txt

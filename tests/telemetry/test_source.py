@@ -23,6 +23,8 @@ from tests.support.npu_smi_stub import (
 )
 from tests.telemetry import tables
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def stub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NpuSmiStub:

@@ -14,6 +14,8 @@ from mineru_gateway.workers.dispatcher import Admission, Dispatcher, Grant
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 
+pytestmark = pytest.mark.unit
+
 A, B = TenantPolicy("a"), TenantPolicy("b")
 MODEL = "m"
 

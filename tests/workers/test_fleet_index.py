@@ -6,12 +6,16 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from mineru_gateway.cost import Cost
 from mineru_gateway.flow import FairQueue, RoomPolicy, TenantPolicy
 from mineru_gateway.routing import QueueLength
 from mineru_gateway.workers.dispatcher import Admission, Dispatcher
 from mineru_gateway.workers.registry import WorkerRegistry
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+
+pytestmark = pytest.mark.unit
 
 MODEL = "m"
 BATCH = 4

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.workers.health import SUCCESS, Health, HealthPolicy, Outcome
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
+
+pytestmark = pytest.mark.unit
 
 
 def health_of(*urls: str, eject_after: int = 3) -> tuple[Health, Membership]:

@@ -20,6 +20,8 @@ from mineru_gateway.workers.http1 import (
 )
 from tests.support.raw_http import chunk, raw_server, read_request
 
+pytestmark = pytest.mark.unit
+
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 STREAM = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 

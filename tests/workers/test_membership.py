@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mineru_gateway.workers.membership import Membership
+
+pytestmark = pytest.mark.unit
 
 
 def test_changes_are_heard_and_adding_a_member_twice_keeps_one() -> None:

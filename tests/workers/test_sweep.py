@@ -17,6 +17,8 @@ from mineru_gateway.workers.sweep import Budget, Sweep
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient
 from mineru_gateway.workers.worker import Worker
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_budget_stretches_the_period_per_worker_and_with_the_fleet() -> None:
     assert Budget().period(0.2, 1000) == 0.2

@@ -27,6 +27,8 @@ from mineru_gateway.testing import free_port
 from mineru_gateway.workers.upstream import Timeouts, UpstreamClient, UpstreamResponse
 from tests.support.raw_http import chunk, raw_server, read_request
 
+pytestmark = pytest.mark.unit
+
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 )

@@ -12,6 +12,8 @@ from mineru_gateway.routing import LoadModel, RoundRobin
 from mineru_gateway.workers.membership import Membership
 from mineru_gateway.workers.views import RoutingViews
 
+pytestmark = pytest.mark.unit
+
 
 def views_of(membership: Membership) -> RoutingViews:
     return RoutingViews(
