@@ -89,7 +89,8 @@ def _json_object(value: Any) -> Any:
 
 
 class TenantConfig(BaseModel):
-    """One tenant of the flow control (issue 13): its API keys, its share and its limits."""
+    """One tenant of the flow control (docs/flow-control.md): its API keys, its share and its
+    limits."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -460,8 +461,7 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Requests allowed to wait on a worker beyond its batch, as a share of it, on "
         "top of batch_headroom_min. What waits there is served first-come by the worker, ahead "
-        "of other tenants: measured, a tenth of the batch bought no throughput and cost another "
-        "key 2x TTFT.",
+        "of other tenants, and beyond a few requests it buys no throughput (docs/flow-control.md).",
     )
     batch_headroom_min: int = Field(
         2,

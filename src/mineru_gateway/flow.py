@@ -1,11 +1,11 @@
-"""Flow control: the gateway's own queue, who is served next, and when a worker has room (issue 13).
+"""Flow control: the gateway's own queue, who is served next, and when a worker has room.
 
 Pure on purpose, like `routing.py` beside it: no I/O, no clocks (callers pass `now`), no asyncio.
 `workers/dispatcher.py` drives it from the relay.
 
 Why the gateway holds the queue: forwarding every request at once leaves the order to the
 workers' first-come queues, so one tenant's MinerU batch (thousands of page and block requests)
-makes everyone else wait behind it; measured 158x on B's TTFT p99 (docs/flow-control.md). Here a
+makes everyone else wait behind it (docs/flow-control.md, benchmarks/results/flow.md). Here a
 request waits in the gateway until some worker has room, and only then is the worker chosen, on
 the freshest load (late binding).
 

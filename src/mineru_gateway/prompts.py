@@ -120,9 +120,7 @@ class Chat:
     gateway's limits, media policy and shape check): their texts in order, from string contents
     and text parts, and their content parts. Lenient: what is not a message or a part is skipped.
 
-    One walk instead of one per reader: there were four, each with its own generator and a
-    label per part, and parsing was a tenth of a small request's instructions
-    (docs/proxy-costs.md, "One walk over the messages")."""
+    One walk serves every reader (docs/proxy-costs.md, "One walk over the messages")."""
 
     __slots__ = ("malformed", "message_count", "parts", "texts")
 

@@ -1,5 +1,5 @@
 """Helpers for testing the gateway against real servers, shipped with it as structlog ships
-`structlog.testing`: tests/ and benchmarks/ both use them, and neither imports the other (issue 12).
+`structlog.testing`: tests/ and benchmarks/ both use them, and neither imports the other.
 
 - Ports: `free_port()` for a server that binds once, `free_port_block(n)` for servers that restart.
 - Waiting: `wait_until` / `wait_until_async` poll a condition with a deadline (never a bare

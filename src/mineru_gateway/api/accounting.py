@@ -1,7 +1,7 @@
 """What happens once an exchange is over: metrics, cost learning and the access log.
 
 The relay hands each finished exchange over as an immutable `ExchangeRecord`; the three consumers
-below read nothing else, so each is testable without servers (issue 12).
+below read nothing else, so each is testable without servers.
 """
 
 from __future__ import annotations
@@ -129,9 +129,8 @@ class Accounting:
 class Ledger:
     """The series one kind of finished exchange counts in: its endpoint, model, worker, status,
     outcome and tenant. Found once per kind (`Accounting`), each exchange then adds to
-    them without building their label tuples or looking them up, about ten per exchange
-    (accounting was 14% of the gateway's own instructions per small request:
-    docs/proxy-costs.md). Series that only some exchanges of a kind count in (latencies,
+    them without building their label tuples or looking them up, about ten per exchange (what
+    that saves: docs/proxy-costs.md). Series that only some exchanges of a kind count in (latencies,
     tokens) are found at the first that does: a series appears in /metrics at its first count."""
 
     __slots__ = (

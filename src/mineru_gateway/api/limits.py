@@ -1,4 +1,4 @@
-"""Limits on what one request may carry, checked before anything reaches a worker (issue 14).
+"""Limits on what one request may carry, checked before anything reaches a worker.
 
 A hostile or broken client must not make a worker (or the gateway) spend memory or time it was
 not meant to: thousands of headers, JSON nested a thousand deep, ten thousand messages, or a page

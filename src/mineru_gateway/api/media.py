@@ -1,4 +1,4 @@
-"""Which media URLs a request may carry (issue 14): vLLM fetches http(s) media itself (and
+"""Which media URLs a request may carry: vLLM fetches http(s) media itself (and
 `file://` under `--allowed-local-media-path`), so a client that names a URL makes the NPU host
 fetch it, addresses inside the operator's network included (SSRF). Pure: no I/O.
 

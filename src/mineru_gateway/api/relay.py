@@ -357,9 +357,9 @@ class Relay:
             outcome = "client_disconnected"
         except asyncio.CancelledError:
             # Only the server cancels a request (a client leaving is ClientDisconnected): it
-            # does so at its drain deadline after SIGTERM. Left to uvicorn, an answer not yet
-            # started became a plain-text 500 and a stream was cut without its end (issue 14's
-            # SIGTERM fault test); end it as an explicit 503 or SSE error event instead. The
+            # does so at its drain deadline after SIGTERM. An answer not yet started would become
+            # a plain-text 500 and a stream would be cut without its end (the SIGTERM fault
+            # test); it ends as an explicit 503 or SSE error event instead. The
             # cancellation has done its work: the upstream request is being closed.
             outcome = ShuttingDown.code
             await exchange.fail(ShuttingDown("the gateway stopped before the answer was complete"))
@@ -604,8 +604,8 @@ def _stream_usage(data: bytes) -> dict[str, Any] | None:
 
 class RequestIds:
     """Request ids for requests that bring none: 32 hex digits, a random half per process and a
-    counter, unique among the gateway's replicas (vLLM requires in-flight ids to
-    be unique) at a fraction of uuid4's cost (3% of the CPU of a small request, py-spy)."""
+    counter, unique among the gateway's replicas (vLLM requires in-flight ids to be unique) at
+    a fraction of uuid4's cost (docs/proxy-costs.md)."""
 
     def __init__(self) -> None:
         self._prefix = secrets.token_hex(8)

@@ -1,4 +1,5 @@
-"""Who a request is: API keys to tenants, and the keys the gateway accepts (issue 13).
+"""Who a request is: API keys to tenants, and the keys the gateway accepts
+(docs/flow-control.md).
 
 - Named tenants (settings `tenants` / `tenants_file`) own their keys, weight, default priority
   and limits.

@@ -1,8 +1,8 @@
 """Which workers have room, kept up to date on events, so a decision never walks the fleet.
 
-A routing decision used to build every worker's view, filter them for the model and for room,
-and score them all: a cost per request that grows with the fleet (docs/operate/fleet-scale.md).
-Here each worker sits in one of two bags per model it serves, *roomy* or *full* (or in none:
+Building every worker's view, filtering them for the model and for room and scoring them all
+would cost each routing decision work that grows with the fleet (docs/operate/fleet-scale.md).
+Instead each worker sits in one of two bags per model it serves, *roomy* or *full* (or in none:
 unhealthy, draining, removed), and moves between them when something about it changes: a lease
 taken or released, a reading, a probe, a drain (`mark`). A decision draws `sample` workers from
 the roomy bag (power of d choices) and hands their fresh views to the routing policy; with no

@@ -2,9 +2,9 @@
 httptools (llhttp, the parser uvicorn uses) to read answers, nothing else per request.
 
 Why not aiohttp's client: for a small non-streaming request, aiohttp's request path (its
-`ClientRequest`, header defaults, cookie jar, tracing hooks, its own timeouts and writer) was the
-largest single part of the gateway's CPU (27% of it, py-spy, benchmarks/results/small_requests.md),
-while a worker needs only a request line, three headers and the body. This module does what the
+`ClientRequest`, header defaults, cookie jar, tracing hooks, its own timeouts and writer) costs
+more of the gateway's CPU than anything else it does (docs/proxy-costs.md), while a worker needs
+only a request line, three headers and the body. This module does what the
 relay needs and no more:
 
 - one request per connection at a time, the body written at once (the relay holds it anyway);
@@ -152,7 +152,7 @@ class Answer:
         self._buffered_bytes += len(data)
         if self._buffered_bytes > HIGH_WATER and not self._paused and self._connection is not None:
             # A reader slower than the worker (a slow client): the worker is held back by
-            # TCP, not the gateway's memory (issue 14's slow-reader fault test).
+            # TCP, not the gateway's memory (the slow-reader fault test).
             self._paused = True
             self._connection.pause_reading()
         self._wake()

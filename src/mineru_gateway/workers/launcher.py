@@ -2,7 +2,7 @@
 
 `mineru-gateway worker`, the `up` supervisor, `docker-compose.yml` and the Kubernetes manifests all
 start a worker through `build_vllm_command` (or `build_sim_command` for a simulated one), so a
-worker starts the same way everywhere (docs/architecture.md, issue 4).
+worker starts the same way everywhere (docs/architecture.md).
 
 What one vLLM(-Ascend) server per NPU needs (docs/vllm-ascend.md):
 

@@ -1,4 +1,4 @@
-"""Rolling restarts: one worker at a time, with no failed request (issue 14).
+"""Rolling restarts: one worker at a time, with no failed request.
 
 For each worker in turn: drain it (no new requests; queued ones are bound to the others, since
 the gateway binds a request to a worker only when it is served), wait until what it runs has

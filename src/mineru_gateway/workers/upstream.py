@@ -1,9 +1,8 @@
 """The one seam for calls to workers, and the one place transport errors become GatewayErrors.
 
 The transport is `workers.http1`, a lean HTTP/1.1 client over httptools: for the relay's small
-requests aiohttp's client path was the largest single part of the gateway's CPU, and a plain
-httpx streaming relay delivered under half of the offered SSE events at 128 streams on these
-machines (docs/proxy-costs.md; our own figures in benchmarks/results/).
+requests aiohttp's client path costs more CPU than all the rest, and a plain httpx streaming
+relay falls behind the offered SSE events (docs/proxy-costs.md, benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -49,13 +48,13 @@ class _Watchdog:
 
     Only the time spent waiting on the worker counts (from `waiting()` to the next
     `arrived()`): while the relay is held up by a slow client, backpressure keeps the worker
-    from sending, and that is not its silence (issue 14's slow-reader fault test: a stream read
-    slower than the idle limit was cut, and the cut taken for a client disconnect). The timer
+    from sending, and that is not its silence (the slow-reader fault test: a stream read slower
+    than the idle limit must not be cut, nor the cut taken for a client disconnect). The timer
     fires only while waiting, so its cancellation always lands in the worker read that
     `Chunks` turns into UpstreamTimeout.
 
-    `asyncio.timeout(...).reschedule()` per chunk costs a timer handle each time (~3 us, a few
-    percent of the relay's whole cost per event); this timer is re-armed only when it fires.
+    `asyncio.timeout(...).reschedule()` per chunk would cost a timer handle each time; this
+    timer is re-armed only when it fires (docs/proxy-costs.md).
     """
 
     def __init__(self, first_s: float, idle_s: float) -> None:
@@ -264,7 +263,7 @@ class UpstreamClient:
 
         One deadline for the whole GET: the pool's for the headers, and for a body that did not
         come with them (it usually does), what is left of it. These GETs run ten times a second
-        with two workers; a second timer around every one was idle work."""
+        with two workers, and a second timer around every one would be idle work."""
         started = time.monotonic()
         try:
             answer = await self.pool.request("GET", url, {}, b"", timeout_s)
