@@ -59,7 +59,7 @@ WORDS = (
 
 def counted_tokens(text: str) -> int:
     """Prompt tokens of one user message as the simulator (and the gateway's router) count them."""
-    return prompts.estimate_chat([{"role": "user", "content": text}]).tokens
+    return prompts.estimate_chat(1, [text], []).tokens
 
 
 def prompt_text(tokens: int, rng: random.Random) -> str:

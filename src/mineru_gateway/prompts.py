@@ -115,57 +115,15 @@ class PromptEstimate:
     images: int = 0  # image parts (usage counts them: docs/usage.md)
 
 
-class Chat:
-    """A chat's messages walked once, for everything that reads them (the estimate here, the
-    gateway's limits, media policy and shape check): their texts in order, from string contents
-    and text parts, and their content parts. Lenient: what is not a message or a part is skipped.
-
-    One walk serves every reader (docs/proxy-costs.md, "One walk over the messages")."""
-
-    __slots__ = ("malformed", "message_count", "parts", "texts")
-
-    def __init__(self, messages: list[Any]) -> None:
-        self.message_count = len(messages)
-        self.texts: list[str] = []
-        self.parts: list[tuple[int, int, dict[str, Any]]] = []  # (message, part number, part)
-        self.malformed: int | None = None  # the first message that is no object with a role
-        texts, parts = self.texts, self.parts
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                if self.malformed is None:
-                    self.malformed = index
-                continue
-            if self.malformed is None and not isinstance(message.get("role"), str):
-                self.malformed = index
-            content = message.get("content")
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                for number, part in enumerate(content):
-                    if isinstance(part, dict):
-                        parts.append((index, number, part))
-                        if isinstance(text := part.get("text"), str):
-                            texts.append(text)
-
-
-def part_name(message: int, number: int) -> str:
-    """How errors name a content part: `messages[1].content[0]`."""
-    return f"messages[{message}].content[{number}]"
-
-
-def estimate_chat(messages: list[Any] | Chat) -> PromptEstimate:
-    """Lenient estimate of a chat prompt: malformed parts count as nothing (the worker judges)."""
-    chat = messages if isinstance(messages, Chat) else Chat(messages)
-    tokens = chat_overhead_tokens(chat.message_count)
-    images = 0
-    for _, _, part in chat.parts:
-        if not isinstance(part.get("text"), str) and isinstance(url := _image_url(part), str):
-            tokens += image_tokens(url)
-            images += 1
-    texts = chat.texts
+def estimate_chat(message_count: int, texts: list[str], image_urls: list[str]) -> PromptEstimate:
+    """Lenient estimate of a chat prompt from its messages walked once (request.py's
+    `read_request`): their count, their texts in order and their image parts' URLs."""
+    tokens = chat_overhead_tokens(message_count)
+    for url in image_urls:
+        tokens += image_tokens(url)
     for text in texts:
         tokens += text_tokens(text)
-    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), images > 0, images)
+    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), bool(image_urls), len(image_urls))
 
 
 def estimate_completion(prompt: Any) -> PromptEstimate:
@@ -175,8 +133,3 @@ def estimate_completion(prompt: Any) -> PromptEstimate:
         return PromptEstimate(len(prompt), PromptKind.OTHER, False)
     texts = [item for item in prompt if isinstance(item, str)] if isinstance(prompt, list) else []
     return PromptEstimate(sum(map(text_tokens, texts)), PromptKind.OTHER, False)
-
-
-def _image_url(part: dict[str, Any]) -> Any:
-    image = part.get("image_url")
-    return image.get("url") if isinstance(image, dict) else image

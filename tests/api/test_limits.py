@@ -14,6 +14,7 @@ from PIL import Image
 
 from mineru_gateway.api.limits import COUNT_BRACKETS_UP_TO, RequestLimits
 from mineru_gateway.errors import GatewayError, HeadersTooLarge, InvalidRequest
+from mineru_gateway.request import read_request
 from tests.conftest import StartGateway
 from tests.support.workers import Script
 from tests.test_images import png_header
@@ -21,6 +22,13 @@ from tests.test_images import png_header
 pytestmark = pytest.mark.unit
 
 CHAT = "/v1/chat/completions"
+
+
+def check(limits: RequestLimits, payload: dict[str, Any], text: bytes | None = None) -> None:
+    """What admission checks of a parsed body: its depth, then the request read from it."""
+    limits.check_depth(payload, text)
+    if "messages" in payload:
+        limits.check(read_request("chat", payload))
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -51,12 +59,12 @@ def nested(depth: int) -> dict[str, Any]:
 
 def refusal(limits: RequestLimits, payload: dict[str, Any]) -> GatewayError:
     with pytest.raises(GatewayError) as refused:
-        limits.check_payload(payload)
+        check(limits, payload)
     return refused.value
 
 
 def test_a_mineru_page_request_is_far_inside_every_default() -> None:
-    RequestLimits().check_payload(chat(image(page())))
+    check(RequestLimits(), chat(image(page())))
 
 
 @pytest.mark.parametrize(
@@ -85,7 +93,7 @@ def test_what_is_refused_by_default(payload: dict[str, Any], code: str, param: s
 
 
 def test_deep_json_at_the_limit_passes() -> None:
-    RequestLimits(max_json_depth=8).check_payload(nested(8))
+    check(RequestLimits(max_json_depth=8), nested(8))
     assert refusal(RequestLimits(max_json_depth=8), nested(9)).reason == "json_too_deep"
 
 
@@ -96,12 +104,12 @@ def test_depth_is_judged_the_same_with_the_text_it_was_parsed_from(depth: int) -
     limits = RequestLimits(max_json_depth=8)
     deep = orjson.dumps(nested(depth))
     if depth == 8:
-        limits.check_payload(orjson.loads(deep), deep)
+        check(limits, orjson.loads(deep), deep)
     else:
         with pytest.raises(InvalidRequest, match="deeper than 8"):
-            limits.check_payload(orjson.loads(deep), deep)
+            check(limits, orjson.loads(deep), deep)
     shallow = orjson.dumps(chat(extra="[[[[{{{{[[[[{{{{"))
-    limits.check_payload(orjson.loads(shallow), shallow)
+    check(limits, orjson.loads(shallow), shallow)
 
 
 @pytest.mark.parametrize("depth", [8, 9])
@@ -115,10 +123,10 @@ def test_a_large_body_is_walked_for_its_depth_whatever_its_brackets(depth: int) 
     text = orjson.dumps(body)
     assert len(text) > COUNT_BRACKETS_UP_TO
     if depth == 8:
-        limits.check_payload(orjson.loads(text), text)
+        check(limits, orjson.loads(text), text)
     else:
         with pytest.raises(InvalidRequest, match="deeper than 8"):
-            limits.check_payload(orjson.loads(text), text)
+            check(limits, orjson.loads(text), text)
 
 
 def test_the_image_message_says_what_is_wrong() -> None:
@@ -128,17 +136,17 @@ def test_the_image_message_says_what_is_wrong() -> None:
 
 def test_an_image_format_it_cannot_measure_is_left_to_the_worker() -> None:
     tiff = data_url(b"II*\0" + b"\0" * 64, "image/tiff")
-    RequestLimits().check_payload(chat(image(tiff)))
+    check(RequestLimits(), chat(image(tiff)))
 
 
 def test_a_fetched_url_is_not_measured_here() -> None:
-    RequestLimits().check_payload(chat(image("https://example.com/a.png")))
+    check(RequestLimits(), chat(image("https://example.com/a.png")))
 
 
 def test_the_max_tokens_ceiling_is_optional() -> None:
-    RequestLimits().check_payload(chat(max_tokens=1_000_000))
+    check(RequestLimits(), chat(max_tokens=1_000_000))
     limits = RequestLimits(max_tokens=4096)
-    limits.check_payload(chat(max_tokens=4096))
+    check(limits, chat(max_tokens=4096))
     error = refusal(limits, chat(max_completion_tokens=4097))
     assert (error.reason, error.param) == ("max_tokens_too_large", "max_completion_tokens")
 

@@ -16,7 +16,8 @@ from benchmarks.small_requests import chat_body
 
 from mineru_gateway.api.requests import ClientDisconnected, parse_request, read_body
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
-from mineru_gateway.prompts import PromptKind, estimate_chat
+from mineru_gateway.prompts import PromptKind
+from tests.test_cost import estimate
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +94,7 @@ def test_a_chat_request_keeps_its_bytes_and_yields_what_routing_needs() -> None:
     parsed = parse_request("chat", raw)
     assert (parsed.endpoint, parsed.body, parsed.model, parsed.stream) == ("chat", raw, "m", True)
     assert parsed.cost.model == "m"
-    assert parsed.cost.prompt == estimate_chat(MESSAGES)
+    assert parsed.cost.prompt == estimate(MESSAGES)
     assert parsed.cost.prompt.kind is PromptKind.TEXT
     assert (parsed.cost.max_tokens, parsed.cost.ignore_eos) == (40, True)
 
@@ -102,7 +103,7 @@ def test_a_page_image_request_costs_what_its_parsed_messages_cost() -> None:
     raw = chat_body("m", image_kb=300)  # MinerU's page request: its URL is parsed apart
     parsed = parse_request("chat", raw)
     assert parsed.body is raw
-    assert parsed.cost.prompt == estimate_chat(orjson.loads(raw)["messages"])
+    assert parsed.cost.prompt == estimate(orjson.loads(raw)["messages"])
     assert parsed.cost.prompt.has_image and parsed.cost.prompt.tokens > 100  # the image read
 
 

@@ -25,19 +25,16 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-from mineru_gateway.api.media import URL_PARTS, param_of, url_of
 from mineru_gateway.errors import HeadersTooLarge, InvalidRequest
 from mineru_gateway.images import data_url_start, image_size
-from mineru_gateway.prompts import Chat, part_name
+from mineru_gateway.request import IMAGE_PARTS, Request, param_of
 
-IMAGE_PARTS = ("image_url", "input_image")
-MEDIA_PARTS = (*URL_PARTS, "input_audio")  # what vLLM may fetch, plus inline audio
 PIL_MAX_IMAGE_PIXELS = 89_478_485  # PIL's own decompression-bomb warning threshold
 QWEN2_VL_MAX_ASPECT = 200.0  # Qwen2-VL's smart_resize refuses a longer-to-shorter ratio past it
 
 
 # Bodies up to this many bytes count their brackets instead of walking the parsed payload for its
-# depth (`RequestLimits.check_payload`): an order of magnitude cheaper for MinerU's text prompts.
+# depth (`RequestLimits.check_depth`): an order of magnitude cheaper for MinerU's text prompts.
 COUNT_BRACKETS_UP_TO = 4096
 
 
@@ -67,17 +64,14 @@ class RequestLimits:
                 f"{self.max_header_bytes} (MINERU_GATEWAY_MAX_HEADER_BYTES)"
             )
 
-    def check_payload(
-        self, payload: dict[str, Any], text: bytes | None = None, chat: Chat | None = None
-    ) -> None:
-        """The parsed body: depth first (the other checks walk it), then counts and images
-        (from `chat`, its messages walked, when the caller has walked them already).
+    def check_depth(self, payload: Any, text: bytes | None = None) -> None:
+        """The parsed body's nesting, before anything walks it.
 
         `text`, the JSON the payload was parsed from, spares a small body the depth walk when
         it holds no more brackets than the depth limit: each level of nesting needs one
         (brackets inside strings only add to the count). Counting is a pass over the body per
-        bracket, though: 480 us for a 400 KB page image, whose few containers the walk visits
-        in 10 us. So larger bodies are walked.
+        bracket, though, dearer than walking the few containers of a page-image request
+        (docs/proxy-costs.md). So larger bodies are walked.
         """
         if (
             text is None
@@ -85,52 +79,57 @@ class RequestLimits:
             or text.count(b"[") + text.count(b"{") > self.max_json_depth
         ):
             _check_depth(payload, self.max_json_depth)
-        if chat is None and isinstance(messages := payload.get("messages"), list):
-            chat = Chat(messages)
-        if chat is not None:
-            self._check_chat(chat)
-        if self.max_tokens is not None:
-            _check_max_tokens(payload, self.max_tokens)
 
-    def _check_chat(self, chat: Chat) -> None:
-        if chat.message_count > self.max_messages:
+    def check(self, request: Request) -> None:
+        """The request's counts, images and max tokens, as `read_request` read them."""
+        if request.message_count > self.max_messages:
             raise InvalidRequest(
-                f"the request has {chat.message_count} messages; this gateway accepts at most "
-                f"{self.max_messages}",
+                f"the request has {request.message_count} messages; this gateway accepts at "
+                f"most {self.max_messages}",
                 param="messages",
                 code="too_many_messages",
             )
-        parts = chat.parts
-        if not parts:
-            return  # text only (every content a string): no parts, no images
-        if len(parts) > self.max_content_parts:
+        if request.part_count:
+            self._check_parts(request)
+        if self.max_tokens is not None:
+            self._check_max_tokens(request.token_fields, self.max_tokens)
+
+    def _check_parts(self, request: Request) -> None:
+        if request.part_count > self.max_content_parts:
             raise InvalidRequest(
-                f"the request has {len(parts)} content parts; this gateway accepts at most "
-                f"{self.max_content_parts}",
+                f"the request has {request.part_count} content parts; this gateway accepts at "
+                f"most {self.max_content_parts}",
                 param="messages",
                 code="too_many_content_parts",
             )
-        media = 0
-        images: list[tuple[str, Any]] = []
-        for message, number, part in parts:
-            kind = _kind(part)
-            if kind in MEDIA_PARTS:
-                media += 1
-                if kind in IMAGE_PARTS:
-                    images.append((part_name(message, number), part.get(kind)))
-        if media > self.max_images:
+        media = request.media
+        if len(media) > self.max_images:
             raise InvalidRequest(
-                f"the request carries {media} images or other media; this gateway accepts at "
-                f"most {self.max_images}",
+                f"the request carries {len(media)} images or other media; this gateway accepts "
+                f"at most {self.max_images}",
                 param="messages",
                 code="too_many_images",
             )
-        for where, image in images:
-            self._check_image(where, image)
+        for part in media:
+            if part.kind in IMAGE_PARTS:
+                self._check_image(part.where, part.payload)
+
+    @staticmethod
+    def _check_max_tokens(fields: list[tuple[str, int]], ceiling: int) -> None:
+        for name, tokens in fields:
+            if tokens > ceiling:
+                raise InvalidRequest(
+                    f"`{name}` is {tokens}; this gateway allows at most {ceiling} "
+                    "(MINERU_GATEWAY_MAX_TOKENS_LIMIT)",
+                    param=name,
+                    code="max_tokens_too_large",
+                )
 
     def _check_image(self, where: str, image: Any) -> None:
-        url = url_of(image)
-        if url is None or not url.startswith("data:"):
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str):
+            return
+        if not url.startswith("data:"):
             return  # a fetched URL is the media policy's business (api/media.py)
         start = data_url_start(url)
         if start is None:
@@ -163,18 +162,6 @@ class RequestLimits:
             )
 
 
-def _check_max_tokens(payload: dict[str, Any], ceiling: int) -> None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > ceiling:
-            raise InvalidRequest(
-                f"`{name}` is {value}; this gateway allows at most {ceiling} "
-                "(MINERU_GATEWAY_MAX_TOKENS_LIMIT)",
-                param=name,
-                code="max_tokens_too_large",
-            )
-
-
 def _check_depth(payload: Any, limit: int) -> None:
     """Iterative (a recursive walk is what a deep document would overflow)."""
     stack: list[tuple[Any, int]] = [(payload, 1)]
@@ -193,10 +180,3 @@ def _check_depth(payload: Any, limit: int) -> None:
         else:
             continue
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-
-
-def _kind(part: dict[str, Any]) -> str | None:
-    kind = part.get("type")
-    if isinstance(kind, str) and kind in part:
-        return kind
-    return next((name for name in MEDIA_PARTS if name in part), None)

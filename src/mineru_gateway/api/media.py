@@ -10,16 +10,13 @@ fetch it, addresses inside the operator's network included (SSRF). Pure: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from mineru_gateway.errors import InvalidRequest
-from mineru_gateway.prompts import Chat, part_name
+from mineru_gateway.request import Request, param_of
 
 MediaUrlPolicy = Literal["data", "allowlist", "any"]
-
-# Content part types whose payload vLLM may fetch from a URL (OpenAI's and vLLM's own).
-URL_PARTS = ("image_url", "video_url", "audio_url", "input_image")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,33 +37,20 @@ class MediaPolicy:
             for entry in self.allowed
         )
 
-    def check_chat(self, chat: Chat) -> None:
+    def check(self, request: Request) -> None:
         """Raises InvalidRequest (400) naming the message and part of the first refused URL."""
         if self.mode == "any":
             return
-        for message, number, part in chat.parts:
-            for kind in URL_PARTS:
-                url = url_of(part.get(kind))
-                if url is not None and not self.allows(url):
-                    where = f"{part_name(message, number)}.{kind}"
-                    raise InvalidRequest(
-                        f"{where}: media URL {url[:80]!r} is not allowed: this gateway accepts "
-                        + (
-                            "inline data: URLs only (send the image base64-encoded)"
-                            if self.mode == "data"
-                            else "data: URLs and its allowlist only"
-                        ),
-                        param=param_of(where),
-                    )
-
-
-def url_of(value: Any) -> str | None:
-    """`{"url": ...}` as OpenAI nests it, or a bare string as some clients send."""
-    if isinstance(value, dict):
-        value = value.get("url")
-    return value if isinstance(value, str) else None
-
-
-def param_of(where: str) -> str:
-    """`messages[1].content[0]` as an OpenAI error's `param`: `messages.1.content.0`."""
-    return where.replace("[", ".").replace("]", "")
+        for media in request.urls:
+            url = media.url
+            if not self.allows(url):
+                where = media.where
+                raise InvalidRequest(
+                    f"{where}: media URL {url[:80]!r} is not allowed: this gateway accepts "
+                    + (
+                        "inline data: URLs only (send the image base64-encoded)"
+                        if self.mode == "data"
+                        else "data: URLs and its allowlist only"
+                    ),
+                    param=param_of(where),
+                )

@@ -38,8 +38,6 @@ from mineru_gateway.api.connection import ClientLink
 from mineru_gateway.api.context import GatewayContext, gateway_context
 from mineru_gateway.api.requests import (
     ClientDisconnected,
-    Endpoint,
-    ParsedRequest,
     Receive,
     forward_priority,
     header_document,
@@ -58,6 +56,7 @@ from mineru_gateway.errors import (
     UpstreamTimeout,
 )
 from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.request import Endpoint, ParsedRequest
 from mineru_gateway.vllm_contract import is_queue_full, upstream_request_id
 from mineru_gateway.workers.dispatcher import Admission
 from mineru_gateway.workers.health import BUSY

@@ -9,34 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from mineru_gateway.api.limits import RequestLimits
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.api.payload import loads
-from mineru_gateway.cache.keys import CacheTag, cache_tag
+from mineru_gateway.cache.keys import cache_tag
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
-from mineru_gateway.prompts import Chat, estimate_chat, estimate_completion
-from mineru_gateway.values import value
+from mineru_gateway.prompts import estimate_chat, estimate_completion
+from mineru_gateway.request import Endpoint, ParsedRequest, read_request
 
 DATA_ONLY = MediaPolicy()
 DEFAULT_LIMITS = RequestLimits()
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Endpoint = Literal["chat", "completions"]
-
-
-@value
-class ParsedRequest:
-    endpoint: Endpoint
-    body: bytes
-    model: str | None
-    stream: bool
-    cost: CostInputs
-    priority: int | None = None  # vLLM's `priority` field: lower first
-    cache_tag: CacheTag | None = None  # set when asked for and the request is greedy
 
 
 class ClientDisconnected(Exception):
@@ -74,47 +62,26 @@ def parse_request(
     limits: RequestLimits = DEFAULT_LIMITS,
     keyed: bool = False,
 ) -> ParsedRequest:
-    """`keyed`: tag a greedy request for coalescing and the cache (cache/keys.py) from this
-    one parse of its body."""
+    """The body parsed (api/payload.py) and read into one typed value (request.py), which the
+    limits, the media policy, the prompt estimate and, when `keyed`, the cache key (a greedy
+    request's, for coalescing and the cache: cache/keys.py) then read."""
     try:
         payload = loads(body)  # orjson's result, page images kept out of the parse
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
+    limits.check_depth(payload, body)
+    request = read_request(endpoint, payload)
+    limits.check(request)
+    media.check(request)
     if endpoint == "chat":
-        chat = _chat(payload.get("messages"))
-        limits.check_payload(payload, body, chat)
-        if chat.malformed is not None:
-            raise InvalidRequest(
-                f"`messages[{chat.malformed}]` must be an object with a string `role`",
-                param=f"messages.{chat.malformed}",
-            )
-        media.check_chat(chat)
-        prompt = estimate_chat(chat)
+        prompt = estimate_chat(request.message_count, request.texts, request.image_urls)
     else:
-        limits.check_payload(payload, body)
-        _check_prompt(payload.get("prompt"))
-        prompt = estimate_completion(payload.get("prompt"))
-    model = payload.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("`model` must be a string", param="model")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise InvalidRequest("`stream` must be a boolean", param="stream")
-    cost = CostInputs(
-        model or "",
-        prompt,
-        _max_tokens(payload),
-        payload.get("ignore_eos") is True,
-    )
-    priority = payload.get("priority")
-    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-        raise InvalidRequest(
-            "`priority` must be an integer (lower is served first)", param="priority"
-        )
-    tag = cache_tag(endpoint, payload) if keyed else None
-    return ParsedRequest(endpoint, body, model, bool(stream), cost, priority, tag)
+        prompt = estimate_completion(request.prompt)
+    cost = CostInputs(request.model or "", prompt, request.max_tokens, request.ignore_eos)
+    tag = cache_tag(request) if keyed else None
+    return ParsedRequest(endpoint, body, request.model, request.stream, cost, request.priority, tag)
 
 
 def header_priority(value: bytes | None) -> int | None:
@@ -162,23 +129,3 @@ def forward_priority(request: ParsedRequest, priority: int, pass_priority: bool)
     else:
         payload["priority"] = wanted
     return replace(request, body=orjson.dumps(payload), priority=wanted)
-
-
-def _max_tokens(payload: dict[str, Any]) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def _chat(messages: Any) -> Chat:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("`messages` must be a non-empty array", param="messages")
-    return Chat(messages)
-
-
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str | list) and prompt:
-        return
-    raise InvalidRequest("`prompt` must be a non-empty string or array", param="prompt")

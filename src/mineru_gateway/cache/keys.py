@@ -21,30 +21,22 @@ from typing import Any
 import orjson
 from blake3 import blake3
 
-from mineru_gateway.values import value
+from mineru_gateway.request import CacheTag, Request
 
 # Fields that do not change the answer: scheduling, attribution and delivery.
 NOT_IN_KEY = frozenset({"priority", "user", "stream", "stream_options", "request_id"})
 
 
-@value
-class CacheTag:
-    """A cacheable request: the digest of what determines its answer, before any tenant scope,
-    and whether a stream of it asked for a usage event."""
-
-    digest: bytes
-    include_usage: bool = False
-
-
-def cache_tag(endpoint: str, payload: dict[str, Any]) -> CacheTag | None:
+def cache_tag(request: Request) -> CacheTag | None:
     """The request's tag when its answer is the same every time it is asked, else None."""
+    payload = request.payload
     if not _greedy(payload) or not _single_plain_choice(payload):
         return None
     canonical = orjson.dumps(
         {name: item for name, item in payload.items() if name not in NOT_IN_KEY},
         option=orjson.OPT_SORT_KEYS,
     )
-    hasher = blake3(endpoint.encode())
+    hasher = blake3(request.endpoint.encode())
     hasher.update(b"\0")
     hasher.update(canonical)
     digest = hasher.digest()

@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mineru_gateway.api.relay import Exchange
-from mineru_gateway.api.requests import ParsedRequest
 from mineru_gateway.cache.answers import Answer, complete, replay_stream, usage_of
 from mineru_gateway.cache.flights import Flight, Flights
 from mineru_gateway.cache.keys import scoped_key
@@ -24,6 +23,7 @@ from mineru_gateway.cache.metrics import CacheCollector, CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore, RedisStore, Store
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.errors import UpstreamError
+from mineru_gateway.request import ParsedRequest
 
 Run = Callable[[Exchange], Awaitable[None]]
 SSE_TYPE = "text/event-stream"

@@ -22,7 +22,7 @@ from opentelemetry.util.types import AttributeValue
 
 if TYPE_CHECKING:
     from mineru_gateway.api.accounting import ExchangeRecord
-    from mineru_gateway.api.requests import ParsedRequest
+    from mineru_gateway.request import ParsedRequest
     from mineru_gateway.workers.registry import Outcome
 
 _PROPAGATOR = TraceContextTextMapPropagator()
