@@ -209,7 +209,7 @@ def test_the_gateways_requests_leave_no_reference_cycles(
     _, worker = scripted
     gateway = start_gateway([worker])
     body = {"model": "echo-model", "messages": [{"role": "user", "content": "hi"}]}
-    ours = {"ClientLink", "Exchange", "Answer", "Lease", "Grant"}
+    ours = {"ClientLink", "Exchange", "ClientAnswer", "AnswerClock", "Answer", "Lease", "Grant"}
     with httpx.Client(base_url=gateway) as client:
         client.post("/v1/chat/completions", json=body)  # warm: first-use caches
         gc.collect()

@@ -325,11 +325,12 @@ def test_an_exchange_records_each_field_under_its_own_name() -> None:
         raise AssertionError("nothing is sent")
 
     exchange = Exchange(send, "rid", "chat")
-    exchange.received, exchange.first_chunk, exchange.finished = 1.0, 2.0, 3.0
-    exchange.worker, exchange.attempts, exchange.status = "http://w:1", 2, 201
-    exchange.streaming, exchange.tokens, exchange.tenant = True, 7, "team"
+    clock, answer = exchange.clock, exchange.answer
+    clock.received, clock.first_chunk, clock.finished = 1.0, 2.0, 3.0
+    exchange.worker, exchange.attempts, answer.status = "http://w:1", 2, 201
+    answer.streaming, clock.tokens, exchange.tenant = True, 7, "team"
     exchange.priority, exchange.queued_s = 4, 0.5
-    exchange.usage = {"prompt_tokens": 11}  # no completion count: the stream's is taken
+    clock.usage = {"prompt_tokens": 11}  # no completion count: the stream's is taken
     request = parse_request("chat", orjson.dumps(chat_body(stream=True)))
     record = exchange.record(request, "ok")
     assert (record.request_id, record.endpoint, record.outcome) == ("rid", "chat", "ok")
@@ -366,9 +367,9 @@ def test_a_streams_usage_is_read_from_its_last_chunks_and_tokens_from_every_chun
 
     def record(*chunks: bytes) -> tuple[int, int | None]:
         exchange = Exchange(send, "rid", "chat")
-        exchange.streaming = True
+        exchange.answer.streaming = True
         for chunk in chunks:
-            exchange.note(chunk)
+            exchange.clock.note(chunk)
         kept = exchange.record(request, "ok")
         return kept.completion_tokens, kept.prompt_tokens
 

@@ -25,14 +25,15 @@ import functools
 import itertools
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import orjson
 import structlog
 
 from mineru_gateway import tracing
 from mineru_gateway.api.accounting import ExchangeRecord
+from mineru_gateway.api.answer import AnswerClock, ClientAnswer, body_usage
+from mineru_gateway.api.answer import Send as Send
 from mineru_gateway.api.auth import upstream_authorization
 from mineru_gateway.api.connection import ClientLink
 from mineru_gateway.api.context import GatewayContext, gateway_context
@@ -45,6 +46,7 @@ from mineru_gateway.api.requests import (
     parse_request,
     read_body,
 )
+from mineru_gateway.cache.service import Sink
 from mineru_gateway.errors import (
     GatewayError,
     NoHealthyWorker,
@@ -55,7 +57,7 @@ from mineru_gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from mineru_gateway.metrics import GatewayMetrics, Series
+from mineru_gateway.metrics import GatewayMetrics
 from mineru_gateway.request import Endpoint, ParsedRequest
 from mineru_gateway.vllm_contract import is_queue_full, upstream_request_id
 from mineru_gateway.workers.dispatcher import Admission
@@ -67,215 +69,80 @@ if TYPE_CHECKING:
     from mineru_gateway.tracing.spans import RequestTrace
 
 Scope = MutableMapping[str, Any]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 log = structlog.get_logger("mineru_gateway.access")
 
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-# One streamed token, as vLLM writes it: a chat delta with content, or a completion's text.
-TOKEN_MARKERS: dict[Endpoint, bytes] = {"chat": b'{"content":', "completions": b'"text":'}
-USAGE_MARKER = b'"usage":{'
 # The start of an event held back for its end is sent as it is past this (no event of vLLM's is
 # near it): what a worker that never ends an event can make the relay hold.
 MAX_HELD_EVENT = 1024 * 1024
 
 
 class Exchange:
-    """Writes one client exchange and remembers what went out, to whom and when."""
+    """One client exchange as accounting sees it: who asked, how it was queued and routed, and
+    the answer's writer and clock (api/answer.py), read into a record when it is over."""
 
     __slots__ = (
-        "_itl",
-        "_last",
-        "_link",
-        "_marker",
-        "_send",
-        "_tail",
+        "answer",
         "attempts",
-        "complete",
+        "clock",
         "document",
         "document_counts",
         "endpoint",
-        "extra_headers",
-        "finished",
-        "first_chunk",
-        "held",
-        "holding",
-        "last_chunk",
         "priority",
         "queued_s",
-        "received",
         "request_id",
-        "status",
-        "stays",
-        "streaming",
         "tenant",
-        "tokens",
         "trace",
-        "upstream_sent",
-        "usage",
         "worker",
     )
 
     def __init__(
         self, send: Send, request_id: str, endpoint: Endpoint, link: ClientLink | None = None
     ) -> None:
-        self._send = send
-        self._link = link
         self.request_id = request_id
         self.endpoint = endpoint
-        self.status: int | None = None
-        self.streaming = False
-        self.complete = False
+        self.clock = AnswerClock(endpoint)
+        self.answer = ClientAnswer(send, request_id, self.clock, link)
         self.worker: str | None = None
         self.attempts = 0
-        self.received = time.perf_counter()
-        self.upstream_sent: float | None = None
-        self.first_chunk: float | None = None
-        self.last_chunk = 0.0
-        self.finished: float | None = None
-        self.tokens = 0  # counted from the stream
-        self._marker = TOKEN_MARKERS[endpoint]
-        # A stream's last two chunks: vLLM's usage event is the last before [DONE], read from
-        # them once the stream is over (`stream_usage`) rather than looked for in every event.
-        self._tail = self._last = b""
-        self.usage: dict[str, Any] | None = None  # a non-streamed answer's
         self.tenant = ""
         self.priority = 0
         self.document: str | None = None  # the client's document id (flow.py)
         # The document's requests (queued, on workers, done) as the exchange ends.
         self.document_counts: tuple[int, int, int] | None = None
         self.queued_s = 0.0
-        self._itl: Series | None = None
-        self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer's head (X-Cache)
         self.trace: RequestTrace | None = None  # when tracing is on (docs/tracing.md)
-        # Asked when the client leaves: True keeps the work going (it leads a generation other
-        # requests wait for, docs/cache.md); None or False cancels it.
-        self.stays: Callable[[], bool] | None = None
-        # While `holding`, a whole answer (`respond`) is kept in `held`, not sent: a generation
-        # others share is given to each of them, its leader too, once it is whole (cache/).
-        self.holding = False
-        self.held: tuple[int, str, bytes] | None = None
-
-    async def start(
-        self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
-        headers = self._started(status, content_type, extra)
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    def _started(
-        self, status: int, content_type: str, extra: list[tuple[bytes, bytes]] | None
-    ) -> list[tuple[bytes, bytes]]:
-        """Notes the answer's start; its headers."""
-        self.status = status
-        self.streaming = content_type.startswith("text/event-stream")
-        headers = [
-            (b"content-type", content_type.encode("latin-1")),
-            (b"x-request-id", self.request_id.encode("latin-1")),
-        ]
-        if extra:
-            headers.extend(extra)
-        if self.extra_headers:
-            headers.extend(self.extra_headers)
-        return headers
-
-    async def chunk(self, data: bytes) -> None:
-        self.note(data)
-        await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    def note(self, data: bytes) -> float:
-        """Bookkeeping for a body chunk going out, once per relayed event: timing, tokens, the
-        chunk kept as one of the last two; its time."""
-        now = time.perf_counter()
-        if self.first_chunk is None:
-            self.first_chunk = now
-        elif self._itl is not None:
-            self._itl.observe(now - self.last_chunk)
-        self.last_chunk = now
-        self.tokens += data.count(self._marker)
-        self._tail, self._last = self._last, data
-        return now
-
-    def stream_usage(self) -> dict[str, Any] | None:
-        """The usage object of a stream's last usage event (vLLM's, before [DONE]), if one of
-        its last two chunks carries one."""
-        return _stream_usage(self._last) or _stream_usage(self._tail)
-
-    def measure_gaps(self, series: Series) -> None:
-        """From now on, every gap between chunks goes to `series` (inter-token latency)."""
-        self._itl = series
-
-    async def finish(self, data: bytes = b"") -> None:
-        await self._send({"type": "http.response.body", "body": data, "more_body": False})
-        self.complete = True
-        self.finished = time.perf_counter()
-
-    async def respond(
-        self,
-        status: int,
-        content_type: str,
-        body: bytes,
-        extra: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
-        """A whole answer, sized (not in chunked framing); in one write where the client's
-        connection has a link (api/connection.py). Kept instead while `holding`."""
-        if self.holding:
-            self.held = (status, content_type, body)
-            return
-        if self._link is None:
-            length = [(b"content-length", b"%d" % len(body))]
-            await self.start(status, content_type, length + extra if extra else length)
-            await self.finish(body)
-            return
-        await self._link.respond(status, self._started(status, content_type, extra), body)
-        self.complete = True
-        self.finished = time.perf_counter()
-
-    async def fail(self, error: GatewayError) -> None:
-        """Reports `error` the only way still open: a JSON error before the headers went out, an
-        SSE error event (vLLM's own mid-stream form) after them."""
-        if self.complete:
-            return
-        if self.status is None:
-            body = error.body_bytes()
-            await self.respond(error.status, "application/json", body, error.headers())
-        elif self.streaming:
-            event = b"data: " + error.body_bytes() + b"\n\ndata: [DONE]\n\n"
-            if self._last and not self._last.endswith(b"\n\n"):
-                # What went out ends inside an event: end it first, or the error would be read
-                # as the rest of that event's data.
-                event = b"\n\n" + event
-            await self.finish(event)
-        else:
-            await self.finish()
 
     def record(self, request: ParsedRequest | None, outcome: str) -> ExchangeRecord:
         """The finished exchange, for accounting."""
-        usage = self.usage or self.stream_usage() or {}
+        clock, answer = self.clock, self.answer
+        usage = clock.answer_usage() or {}
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
-        # Positional: with 19 keyword arguments, building the record cost three times as much
-        # (14,700 instructions against 4,900). tests/api/test_relay.py checks the fields.
+        # Positional, which builds the record for a fraction of the keyword form's cost
+        # (docs/proxy-costs.md); tests/api/test_relay.py checks the fields.
         return ExchangeRecord(
             self.request_id,
             self.endpoint,
             outcome,
-            self.received,
+            clock.received,
             time.perf_counter(),
             request.model if request else None,
             request.stream if request else None,
             request.cost if request else None,
             self.worker,
             self.attempts,
-            self.status,
-            self.streaming,
-            self.first_chunk,
-            self.finished,
-            completion if isinstance(completion, int) else self.tokens,
+            answer.status,
+            answer.streaming,
+            clock.first_chunk,
+            clock.finished,
+            completion if isinstance(completion, int) else clock.tokens,
             prompt if isinstance(prompt, int) else None,
             self.tenant,
             self.priority,
             self.queued_s,
-            self.upstream_sent,
+            clock.upstream_sent,
             self.trace.trace_id if self.trace is not None else None,
             self.document,
             self.document_counts,
@@ -345,13 +212,17 @@ class Relay:
             if exchange.trace is not None:
                 exchange.trace.admitted(tenant.name, request, exchange.document)
             upstream_headers = _upstream_headers(context, headers, exchange.request_id)
-            run = functools.partial(self._proxy, context, request, admission, upstream_headers)
+            run = functools.partial(
+                self._proxy, context, request, admission, upstream_headers, exchange
+            )
             if results is not None and request.cache_tag is not None:
                 # Before `acquire`: a hit or a join takes no room (docs/cache.md).
-                work = results.serve(request, exchange, run)
+                visit = results.visit(request, tenant.name)
+                work = visit.serve(exchange.answer, exchange.clock, run)
+                stays: Callable[[], bool] | None = visit.stays
             else:
-                work = run(exchange)
-            await _until_done_or_disconnect(work, receive, exchange, link)
+                work, stays = run(exchange.answer), None
+            await _until_done_or_disconnect(work, receive, exchange.answer, link, stays)
         except ClientDisconnected:
             outcome = "client_disconnected"
         except asyncio.CancelledError:
@@ -361,16 +232,18 @@ class Relay:
             # test); it ends as an explicit 503 or SSE error event instead. The
             # cancellation has done its work: the upstream request is being closed.
             outcome = ShuttingDown.code
-            await exchange.fail(ShuttingDown("the gateway stopped before the answer was complete"))
+            await exchange.answer.fail(
+                ShuttingDown("the gateway stopped before the answer was complete")
+            )
         except GatewayError as error:
             outcome = error.reason
-            await exchange.fail(error)
+            await exchange.answer.fail(error)
         except Exception:
             # The relay's top-level handler (it runs outside FastAPI's): a bug becomes an
             # OpenAI-style 500 (or an SSE error event mid-stream), logged with its traceback.
             outcome = "internal_error"
             log.exception("unhandled_error", request_id=exchange.request_id, path=self.path)
-            await exchange.fail(GatewayError("internal gateway error"))
+            await exchange.answer.fail(GatewayError("internal gateway error"))
         finally:
             record = exchange.record(request, outcome)
             context.accounting.account(record)
@@ -384,7 +257,9 @@ class Relay:
         admission: Admission,
         headers: dict[str, str],
         exchange: Exchange,
+        sink: Sink,
     ) -> None:
+        """Queues, routes and relays the request, writing the answer to `sink`."""
         if exchange.trace is not None:
             exchange.trace.queue_started()
         grant = await context.dispatcher.acquire(admission)
@@ -400,7 +275,7 @@ class Relay:
                 exchange.worker, exchange.attempts = tried[-1], attempts
                 headers["X-Request-Id"] = self._ids.attempt(exchange.request_id)
                 try:
-                    await self._attempt(context, grant.lease, request, headers, exchange)
+                    await self._attempt(context, grant.lease, request, headers, exchange, sink)
                     return
                 except _QueueFull:
                     # Busy, not failed: neither a retry nor a tried worker; held back a moment.
@@ -426,12 +301,14 @@ class Relay:
         request: ParsedRequest,
         headers: dict[str, str],
         exchange: Exchange,
+        sink: Sink,
     ) -> None:
         worker = lease.worker
-        if exchange.upstream_sent is None:
-            exchange.upstream_sent = time.perf_counter()
+        clock = exchange.clock
+        if clock.upstream_sent is None:
+            clock.upstream_sent = time.perf_counter()
             context.metrics.time_to_upstream.series(request.model or "").observe(
-                exchange.upstream_sent - exchange.received
+                clock.upstream_sent - clock.received
             )
         outcome: Outcome | None = SUCCESS  # None: the attempt says nothing about the worker
         trace = exchange.trace
@@ -442,7 +319,7 @@ class Relay:
             if trace is not None:
                 trace.relay_started(upstream.status)
             try:
-                await _relay_response(upstream, exchange, context.metrics, request, lease)
+                await _relay_response(upstream, sink, exchange, context.metrics, request, lease)
             finally:
                 upstream.close()
             if upstream.status >= 500:
@@ -460,7 +337,7 @@ class Relay:
             outcome = Outcome.failed("connect_error", str(error), eject_now=refused)
             raise _Retry("connect_error", error) from None
         except UpstreamError as broken:
-            if exchange.status is None:
+            if sink.status is None:
                 # Nothing reached the client: a dead worker, a keep-alive connection it had
                 # closed, an answer broken before it was relayed. Try another worker.
                 reason = "upstream_disconnect"
@@ -479,11 +356,13 @@ class Relay:
 
 async def _relay_response(
     upstream: UpstreamResponse,
+    sink: Sink,
     exchange: Exchange,
     metrics: GatewayMetrics,
     request: ParsedRequest,
     lease: Lease,
 ) -> None:
+    clock = exchange.clock
     if upstream.status == 200 and upstream.is_event_stream:
         # Only whole events go out: an event cut by a failing worker is never half-sent, and a
         # worker that fails before its first whole event is retried (the module docstring).
@@ -493,34 +372,35 @@ async def _relay_response(
                 chunk, held = _whole_events(held + chunk)
                 if not chunk:
                     continue
-            if exchange.status is None:
+            if sink.status is None:
                 lease.prefilled()
-                await exchange.start(200, upstream.content_type)
-                exchange.measure_gaps(
-                    metrics.itl.series(request.model or "", exchange.worker or "")
-                )
-            await exchange.chunk(chunk)
-        if exchange.status is None:
-            await exchange.start(200, upstream.content_type)
-        await exchange.finish(held)  # a stream that ended cleanly ends as the worker wrote it
+                await sink.start(200, upstream.content_type)
+                clock.measure_gaps(metrics.itl.series(request.model or "", exchange.worker or ""))
+            clock.note(chunk)
+            await sink.chunk(chunk)
+        if sink.status is None:
+            await sink.start(200, upstream.content_type)
+        await sink.finish(held)  # a stream that ended cleanly ends as the worker wrote it
     else:
         # Non-streaming answers and worker errors (a vLLM 400 for a too-long prompt, say) are
         # passed back with the worker's own status and body.
         body = await upstream.read()
         if upstream.status == 200:
-            exchange.usage = _body_usage(body)
+            clock.usage = body_usage(body)
         elif is_queue_full(upstream.status, body):
             raise _QueueFull
-        await exchange.respond(upstream.status, upstream.content_type, body)
+        await sink.respond(upstream.status, upstream.content_type, body)
 
 
 async def _until_done_or_disconnect(
     work: Coroutine[Any, Any, None],
     receive: Receive,
-    exchange: Exchange,
+    answer: ClientAnswer,
     link: ClientLink | None,
+    stays: Callable[[], bool] | None,
 ) -> None:
-    """Runs `work` in this task, cancelling it the moment the client disconnects.
+    """Runs `work` in this task, cancelling it the moment the client disconnects, unless
+    `stays()` says the work goes on for others (a generation they share: cache/service.py).
 
     Cancelling closes the upstream connection (in `_attempt`'s `finally`), which is what makes
     vLLM abort the generation and free its KV cache. The gateway's own server protocol reports
@@ -535,9 +415,8 @@ async def _until_done_or_disconnect(
 
     def on_disconnect(_: object = None) -> None:
         nonlocal left, kept
-        if not exchange.complete:  # the whole answer went out: nothing to stop
+        if not answer.complete:  # the whole answer went out: nothing to stop
             left = True
-            stays = exchange.stays
             if stays is not None and stays():
                 kept = True  # others wait on what it does: it ends, its answer to no one
             else:
@@ -579,26 +458,6 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
     if not end and len(data) > MAX_HELD_EVENT:
         end = len(data)
     return data[:end], data[end:]
-
-
-def _body_usage(body: bytes) -> dict[str, Any] | None:
-    try:
-        usage = orjson.loads(body).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-def _stream_usage(data: bytes) -> dict[str, Any] | None:
-    """The usage object of the last SSE event in `data` that carries one."""
-    if data.find(USAGE_MARKER) < 0:  # not `in`: bytes' `in` tries an int first and fails
-        return None
-    for event in reversed(data.split(b"\n\n")):
-        if event.startswith(b"data: ") and event.find(USAGE_MARKER) >= 0:
-            usage = _body_usage(event[6:])
-            if usage is not None:
-                return usage
-    return None
 
 
 class RequestIds:
