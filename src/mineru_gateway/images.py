@@ -16,8 +16,8 @@ import struct
 def data_url_start(url: str) -> int | None:
     """Where the base64 text of a `data:...;base64,` URL begins, else None.
 
-    An offset, not a copy: a page image's text is hundreds of kilobytes, and slicing it out cost
-    more than reading its header (12 us for 400 KB, twice per request).
+    An offset, not a copy: a page image's text is hundreds of kilobytes, and slicing it out
+    would cost more than reading its header (docs/proxy-costs.md, "Page-image requests").
     """
     comma = url.find(",")
     if not url.startswith("data:") or comma < 0 or ";base64" not in url[:comma]:
