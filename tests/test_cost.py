@@ -10,14 +10,14 @@ import pytest
 
 from mineru_gateway.errors import InvalidRequest
 from mineru_gateway.prompts import PromptEstimate, PromptKind, estimate_chat
-from mineru_gateway.request import read_request
+from mineru_gateway.request import Request
 
 pytestmark = pytest.mark.unit
 
 
 def estimate(messages: list[object]) -> PromptEstimate:
     """A chat's estimate from its messages walked once, as admission does."""
-    request = read_request("chat", {"messages": messages})
+    request = Request("chat", {"messages": messages})
     return estimate_chat(request.message_count, request.texts, request.image_urls)
 
 
@@ -85,7 +85,7 @@ def test_one_walk_keeps_texts_in_order_and_every_media_part() -> None:
         {"role": "user", "content": [image, "not a part", {"type": "text", "text": "second"}]},
         {"role": "user", "content": "Text Recognition:"},
     ]
-    request = read_request("chat", {"messages": messages})
+    request = Request("chat", {"messages": messages})
     assert (request.message_count, request.part_count) == (3, 2)
     assert request.texts == ["Layout Detection:", "second", "Text Recognition:"]
     assert request.image_urls == [png_data_url(56, 56)]
@@ -109,10 +109,10 @@ def test_the_walk_names_the_first_message_without_a_string_role(
     messages: list[object], malformed: int
 ) -> None:
     with pytest.raises(InvalidRequest) as info:
-        read_request("chat", {"messages": messages})
+        Request("chat", {"messages": messages})
     assert info.value.param == f"messages.{malformed}"
 
 
 def test_a_message_with_a_role_and_odd_content_is_the_workers_to_judge() -> None:
-    request = read_request("chat", {"messages": [{"role": "user"}, {"role": "a", "content": 3}]})
+    request = Request("chat", {"messages": [{"role": "user"}, {"role": "a", "content": 3}]})
     assert (request.message_count, request.texts, request.part_count) == (2, [], 0)

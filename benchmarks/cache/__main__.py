@@ -36,7 +36,7 @@ from mineru_gateway.cache.answers import Answer as StoredAnswer
 from mineru_gateway.cache.answers import decode as decode_answer
 from mineru_gateway.cache.answers import encode as encode_answer
 from mineru_gateway.cache.keys import cache_tag
-from mineru_gateway.request import read_request
+from mineru_gateway.request import Request
 from mineru_gateway.testing import free_port, wait_until
 
 MODEL = "opendatalab/MinerU2.5-2509-1.2B"
@@ -248,7 +248,7 @@ def hit_parts(body: bytes) -> dict[str, float]:
     every request has, the cache key on top of it (BLAKE3, and sha256 for comparison), and
     reading a stored answer back."""
     payload = loads(body)
-    request = read_request("chat", payload)
+    request = Request("chat", payload)
     canonical = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
     stored = encode_answer(StoredAnswer(200, "application/json", b"x" * 4000))
     parts = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from mineru_gateway import images
@@ -115,15 +116,18 @@ class PromptEstimate:
     images: int = 0  # image parts (usage counts them: docs/usage.md)
 
 
-def estimate_chat(message_count: int, texts: list[str], image_urls: list[str]) -> PromptEstimate:
+def estimate_chat(
+    message_count: int, texts: Sequence[str], image_urls: Sequence[str]
+) -> PromptEstimate:
     """Lenient estimate of a chat prompt from its messages walked once (request.py's
-    `read_request`): their count, their texts in order and their image parts' URLs."""
-    tokens = chat_overhead_tokens(message_count)
+    `Request`): their count, their texts in order and their image parts' URLs."""
+    tokens = message_count * MESSAGE_TOKENS + GENERATION_PROMPT_TOKENS  # chat_overhead_tokens
     for url in image_urls:
         tokens += image_tokens(url)
     for text in texts:
-        tokens += text_tokens(text)
-    return PromptEstimate(tokens, prompt_kind("\n".join(texts)), bool(image_urls), len(image_urls))
+        tokens -= -len(text) // CHARS_PER_TOKEN  # text_tokens, inline: per request
+    prompt = texts[0] if len(texts) == 1 else "\n".join(texts)
+    return PromptEstimate(tokens, prompt_kind(prompt), bool(image_urls), len(image_urls))
 
 
 def estimate_completion(prompt: Any) -> PromptEstimate:

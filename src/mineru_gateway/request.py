@@ -1,11 +1,11 @@
 """A completions request as the gateway reads it: one typed value, built in one walk. Pure.
 
-`read_request` checks a parsed body's shape (a 400 naming the field) and walks its messages
-once, keeping what every reader needs: the limits (api/limits.py: counts, images), the media
-policy (api/media.py: the URLs a worker would fetch), the prompt estimate (prompts.py: texts and
-image URLs) and the cache key (cache/keys.py: the sampling fields and the payload). None of them
-walks the body again (docs/proxy-costs.md, "One walk over the messages"). Lenient where the
-worker judges: a part that is not an object, or an unknown part, counts as nothing.
+`Request(endpoint, payload)` checks a parsed body's shape (a 400 naming the field) and walks its
+messages once, keeping what every reader needs: the limits (api/limits.py: counts, images), the
+media policy (api/media.py: the URLs a worker would fetch), the prompt estimate (prompts.py:
+texts and image URLs) and the cache key (cache/keys.py: the sampling fields and the payload).
+None of them walks the body again (docs/proxy-costs.md, "One walk over the messages"). Lenient
+where the worker judges: a part that is not an object, or an unknown part, counts as nothing.
 
 `ParsedRequest` is what admission leaves: the body's bytes as they are forwarded, and what
 routing, flow control, the cache and accounting read.
@@ -13,6 +13,7 @@ routing, flow control, the cache and accounting read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from mineru_gateway.cost import CostInputs
@@ -66,7 +67,9 @@ class MediaUrl:
 
 
 class Request:
-    """A request body read once (module docstring). Built by `read_request`; read-only after."""
+    """A request body read once (module docstring): `Request(endpoint, payload)` checks its
+    shape, raising InvalidRequest (400, naming the field), and walks its messages. Read-only
+    after. One constructor does it all: it runs for every request (docs/proxy-costs.md)."""
 
     __slots__ = (
         "endpoint",
@@ -85,105 +88,120 @@ class Request:
         "token_fields",
         "urls",
     )
+    texts: Sequence[str]  # from string contents and text parts, in order
+    image_urls: Sequence[str]  # image parts without text, for the estimate
+    media: Sequence[MediaPart]
+    urls: Sequence[MediaUrl]
 
     def __init__(self, endpoint: Endpoint, payload: dict[str, Any]) -> None:
         self.endpoint: Endpoint = endpoint
         self.payload = payload  # the parsed body: its depth (limits), its key (cache)
-        self.model: str | None = None
-        self.stream = False
-        self.priority: int | None = None  # vLLM's `priority` field: lower first
+        get = payload.get
+        self.part_count = 0  # content parts that are objects
+        self.image_urls = self.media = self.urls = NOTHING
+        if endpoint == "chat":
+            self.prompt: Any = None  # a completion's `prompt`
+            self._read_messages(get("messages"))
+        else:
+            self.message_count = 0
+            self.texts = NOTHING
+            self.prompt = _prompt(get("prompt"))
+        model = get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequest("`model` must be a string", param="model")
+        self.model: str | None = model
+        stream = get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise InvalidRequest("`stream` must be a boolean", param="stream")
+        self.stream = stream is True
+        priority = get("priority")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise InvalidRequest(
+                "`priority` must be an integer (lower is served first)", param="priority"
+            )
+        self.priority: int | None = priority  # vLLM's `priority` field: lower first
+        self.ignore_eos = get("ignore_eos") is True
         # Each integer max-tokens field as given (a ceiling is checked against each), and the
         # first positive one (what the answer's length is capped at).
-        self.token_fields: list[tuple[str, int]] = []
-        self.max_tokens: int | None = None
-        self.ignore_eos = payload.get("ignore_eos") is True
-        self.message_count = 0
-        self.part_count = 0  # content parts that are objects
-        self.texts: list[str] = []  # from string contents and text parts, in order
-        self.image_urls: list[str] = []  # image parts without text, for the estimate
+        fields: tuple[tuple[str, int], ...] = ()
+        max_tokens = None
+        for name in TOKEN_FIELDS:
+            tokens = get(name)
+            if isinstance(tokens, int) and not isinstance(tokens, bool):
+                fields += ((name, tokens),)
+                if tokens > 0 and max_tokens is None:
+                    max_tokens = tokens
+        self.token_fields = fields
+        self.max_tokens: int | None = max_tokens
+
+    def _read_messages(self, messages: Any) -> None:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("`messages` must be a non-empty array", param="messages")
+        self.message_count = len(messages)
+        texts: list[str] = []
+        self.texts = texts
+        parts: Parts | None = None  # made at the first list of parts
+        malformed: int | None = None
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                if malformed is None:
+                    malformed = index
+                continue
+            if malformed is None and not isinstance(message.get("role"), str):
+                malformed = index
+            content = message.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                if parts is None:
+                    parts = Parts(texts)
+                parts.read(index, content)
+        if malformed is not None:
+            raise InvalidRequest(
+                f"`messages[{malformed}]` must be an object with a string `role`",
+                param=f"messages.{malformed}",
+            )
+        if parts is not None:
+            self.part_count = parts.count
+            self.image_urls, self.media, self.urls = parts.images, parts.media, parts.urls
+
+
+NOTHING: tuple[Any, ...] = ()
+
+
+class Parts:
+    """The messages' content parts as they are read: texts, image URLs for the estimate,
+    media and URLs."""
+
+    __slots__ = ("count", "images", "media", "texts", "urls")
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self.count = 0
+        self.images: list[str] = []
         self.media: list[MediaPart] = []
         self.urls: list[MediaUrl] = []
-        self.prompt: Any = None  # a completion's `prompt`
 
-
-def read_request(endpoint: Endpoint, payload: dict[str, Any]) -> Request:
-    """The typed request; InvalidRequest (400, naming the field) for a malformed shape."""
-    request = Request(endpoint, payload)
-    if endpoint == "chat":
-        _read_messages(request, payload.get("messages"))
-    else:
-        request.prompt = _prompt(payload.get("prompt"))
-    model = payload.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("`model` must be a string", param="model")
-    request.model = model
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise InvalidRequest("`stream` must be a boolean", param="stream")
-    request.stream = bool(stream)
-    priority = payload.get("priority")
-    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-        raise InvalidRequest(
-            "`priority` must be an integer (lower is served first)", param="priority"
-        )
-    request.priority = priority
-    for name in TOKEN_FIELDS:
-        tokens = payload.get(name)
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
-            request.token_fields.append((name, tokens))
-            if tokens > 0 and request.max_tokens is None:
-                request.max_tokens = tokens
-    return request
-
-
-def _read_messages(request: Request, messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("`messages` must be a non-empty array", param="messages")
-    request.message_count = len(messages)
-    malformed: int | None = None
-    texts, images, media, urls = request.texts, request.image_urls, request.media, request.urls
-    parts = 0
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            if malformed is None:
-                malformed = index
-            continue
-        if malformed is None and not isinstance(message.get("role"), str):
-            malformed = index
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            for number, part in enumerate(content):
-                if not isinstance(part, dict):
-                    continue
-                parts += 1
-                text = part.get("text")
-                if isinstance(text, str):
-                    texts.append(text)
-                elif isinstance(url := _url_of(part.get("image_url")), str):
-                    images.append(url)
-                _read_media(index, number, part, media, urls)
-    request.part_count = parts
-    if malformed is not None:
-        raise InvalidRequest(
-            f"`messages[{malformed}]` must be an object with a string `role`",
-            param=f"messages.{malformed}",
-        )
-
-
-def _read_media(
-    message: int, number: int, part: dict[str, Any], media: list[MediaPart], urls: list[MediaUrl]
-) -> None:
-    kind = part.get("type")
-    if not (isinstance(kind, str) and kind in part):
-        kind = next((name for name in MEDIA_PARTS if name in part), None)
-    if kind in MEDIA_PARTS:
-        media.append(MediaPart(message, number, kind, part.get(kind)))
-    for name in URL_PARTS:
-        url = _url_of(part.get(name))
-        if url is not None:
-            urls.append(MediaUrl(message, number, name, url))
+    def read(self, index: int, content: list[Any]) -> None:
+        """One message's content parts."""
+        for number, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            self.count += 1
+            text = part.get("text")
+            if isinstance(text, str):
+                self.texts.append(text)
+            elif isinstance(url := _url_of(part.get("image_url")), str):
+                self.images.append(url)
+            kind = part.get("type")
+            if not (isinstance(kind, str) and kind in part):
+                kind = next((name for name in MEDIA_PARTS if name in part), None)
+            if kind in MEDIA_PARTS:
+                self.media.append(MediaPart(index, number, kind, part.get(kind)))
+            for name in URL_PARTS:
+                url = _url_of(part.get(name))
+                if url is not None:
+                    self.urls.append(MediaUrl(index, number, name, url))
 
 
 def _prompt(prompt: Any) -> Any:

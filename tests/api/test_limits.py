@@ -14,7 +14,7 @@ from PIL import Image
 
 from mineru_gateway.api.limits import COUNT_BRACKETS_UP_TO, RequestLimits
 from mineru_gateway.errors import GatewayError, HeadersTooLarge, InvalidRequest
-from mineru_gateway.request import read_request
+from mineru_gateway.request import Request
 from tests.conftest import StartGateway
 from tests.support.workers import Script
 from tests.test_images import png_header
@@ -28,7 +28,7 @@ def check(limits: RequestLimits, payload: dict[str, Any], text: bytes | None = N
     """What admission checks of a parsed body: its depth, then the request read from it."""
     limits.check_depth(payload, text)
     if "messages" in payload:
-        limits.check(read_request("chat", payload))
+        limits.check(Request("chat", payload))
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:

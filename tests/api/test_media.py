@@ -9,7 +9,7 @@ import pytest
 
 from mineru_gateway.api.media import MediaPolicy
 from mineru_gateway.errors import InvalidRequest
-from mineru_gateway.request import read_request
+from mineru_gateway.request import Request
 from tests.conftest import StartGateway
 from tests.support.workers import Script
 
@@ -60,7 +60,7 @@ def test_which_urls_a_policy_allows(policy: MediaPolicy, url: str, allowed: bool
 )
 def test_a_refused_part_is_named(part: dict[str, Any], where: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        MediaPolicy().check(read_request("chat", {"messages": message(image(PNG), part)}))
+        MediaPolicy().check(Request("chat", {"messages": message(image(PNG), part)}))
     assert refused.value.message.startswith(where)
     assert refused.value.param == where.replace("[", ".").replace("]", "")
 
@@ -68,7 +68,7 @@ def test_a_refused_part_is_named(part: dict[str, Any], where: str) -> None:
 def test_inline_audio_and_text_parts_pass() -> None:
     audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
     MediaPolicy().check(
-        read_request(
+        Request(
             "chat", {"messages": message({"type": "text", "text": METADATA}, audio, image(PNG))}
         )
     )

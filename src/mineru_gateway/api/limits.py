@@ -81,7 +81,7 @@ class RequestLimits:
             _check_depth(payload, self.max_json_depth)
 
     def check(self, request: Request) -> None:
-        """The request's counts, images and max tokens, as `read_request` read them."""
+        """The request's counts, images and max tokens, as `Request` read them."""
         if request.message_count > self.max_messages:
             raise InvalidRequest(
                 f"the request has {request.message_count} messages; this gateway accepts at "
@@ -115,7 +115,7 @@ class RequestLimits:
                 self._check_image(part.where, part.payload)
 
     @staticmethod
-    def _check_max_tokens(fields: list[tuple[str, int]], ceiling: int) -> None:
+    def _check_max_tokens(fields: tuple[tuple[str, int], ...], ceiling: int) -> None:
         for name, tokens in fields:
             if tokens > ceiling:
                 raise InvalidRequest(

@@ -20,7 +20,7 @@ from mineru_gateway.cache.keys import cache_tag
 from mineru_gateway.cost import CostInputs
 from mineru_gateway.errors import InvalidRequest, RequestTooLarge
 from mineru_gateway.prompts import estimate_chat, estimate_completion
-from mineru_gateway.request import Endpoint, ParsedRequest, read_request
+from mineru_gateway.request import Endpoint, ParsedRequest, Request
 
 DATA_ONLY = MediaPolicy()
 DEFAULT_LIMITS = RequestLimits()
@@ -72,9 +72,10 @@ def parse_request(
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object")
     limits.check_depth(payload, body)
-    request = read_request(endpoint, payload)
+    request = Request(endpoint, payload)
     limits.check(request)
-    media.check(request)
+    if request.urls:  # none: nothing for the media policy
+        media.check(request)
     if endpoint == "chat":
         prompt = estimate_chat(request.message_count, request.texts, request.image_urls)
     else:
