@@ -31,6 +31,7 @@ FLOORS = {
     "values": 0,
     "errors": 0,
     "config": 0,
+    "vllm_contract": 0,
     # 1, the services: workers, cache, fleet state, telemetry, metrics
     "workers": 1,
     "cache": 1,
@@ -39,7 +40,6 @@ FLOORS = {
     "tracing": 1,
     "metrics": 1,
     "redis_link": 1,
-    "siblings": 1,
     "periodic": 1,
     "reload": 1,
     # 2, the API: the relay, the server protocol, the control routes
