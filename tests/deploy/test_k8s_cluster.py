@@ -142,7 +142,7 @@ def test_the_gateway_has_a_scratch_tmp_and_no_service_account_token() -> None:
         mount["mountPath"]: mount["name"]
         for mount in container(workload("gateway"))["volumeMounts"]
     }
-    assert "emptyDir" in volumes[mounts["/tmp"]]  # processes share their tables in /tmp
+    assert "emptyDir" in volumes[mounts["/tmp"]]  # the one writable path: a read-only root
 
 
 def test_the_gateway_image_runs_as_the_manifests_numeric_user() -> None:
@@ -316,11 +316,11 @@ def test_the_gateway_queues_well_below_its_memory_limit(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     limit = quantity(container(workload("gateway"))["resources"]["limits"]["memory"])
-    settings = gateway_settings(monkeypatch)
+    gateway_settings(monkeypatch)  # the container's arguments and environment are valid
     env = {item["name"] for item in container(workload("gateway"))["env"]}
     assert "MINERU_GATEWAY_MAX_QUEUED_BYTES" not in env  # derived from the limit below
     (tmp_path / "memory.max").write_text(f"{limit}\n")  # the pod's cgroup, as the kubelet sets it
-    queued = default_max_queued_bytes(settings.processes, (tmp_path / "memory.max",))
+    queued = default_max_queued_bytes((tmp_path / "memory.max",))
     assert 0 < queued <= limit // 4
 
 

@@ -75,9 +75,7 @@ def runtime_closure(python: str = "3.11") -> dict[str, str]:
 
 def test_the_closure_holds_the_declared_dependencies_and_theirs() -> None:
     closure = runtime_closure()
-    assert {"fastapi", "uvicorn", "uvloop", "httptools", "pydantic-core", "starlette"} <= set(
-        closure
-    )
+    assert {"fastapi", "uvloop", "httptools", "pydantic-core", "starlette"} <= set(closure)
     assert "pytest" not in closure and "mypy" not in closure  # the dev extras are not runtime
 
 
