@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from . import client_venv
-from .run import Stand, free_port, git_commit, wait_ok
+from .run import Stand, git_commit, start_stand
 
 DRIVER = Path(__file__).resolve().with_name("documents_driver.py")
 BIG = {"name": "big-40", "pages": 40, "start_s": 0.0, "seed": 1}
@@ -81,41 +81,12 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
     log_dir.mkdir(parents=True, exist_ok=True)
     stand = Stand(log_dir)
     try:
-        workers = []
-        for index in range(args.workers):
-            port = free_port()
-            stand.spawn(
-                f"sim-{index}",
-                [
-                    sys.executable,
-                    *("-m", "mineru_gateway", "sim", "--port", str(port)),
-                    *("--time-scale", str(args.time_scale)),
-                    *("--max-num-seqs", str(args.max_num_seqs)),
-                    *("--seed", "0", "--engine-label", str(index)),
-                    *("--log-level", "warning"),
-                ],
-            )
-            workers.append(f"http://127.0.0.1:{port}")
-        for url in workers:
-            wait_ok(url + "/health", stand)
-        port = free_port()
         gateway_argv = [
-            *("--workers", ",".join(workers)),
             *("--batch-limit", str(args.max_num_seqs)),
             *(args.gateway_arg if run.gateway != FCFS else ()),
             *run.gateway,
         ]
-        stand.spawn(
-            "gateway",
-            [
-                sys.executable,
-                *("-m", "mineru_gateway", "serve", "--port", str(port)),
-                *("--log-level", "warning"),
-                *gateway_argv,
-            ],
-        )
-        gateway = f"http://127.0.0.1:{port}"
-        wait_ok(gateway + "/ready", stand)
+        gateway, _ = start_stand(stand, args, gateway_argv, seeds=[0] * args.workers)
         argv = [
             *("--url", gateway, "--plan", json.dumps(list(run.plan))),
             *(("--ids",) if run.ids else ()),

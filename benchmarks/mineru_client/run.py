@@ -215,46 +215,56 @@ def gateway_figures(metrics: dict[str, dict[str, float]]) -> dict[str, Any]:
     }
 
 
+def start_stand(
+    stand: Stand, args: argparse.Namespace, gateway_argv: list[str], seeds: Sequence[int]
+) -> tuple[str, list[str]]:
+    """`args.workers` simulated workers (`args.time_scale`, `args.max_num_seqs`, one seed each)
+    and a gateway in front of them with `gateway_argv`: the gateway's URL once it is ready, and
+    the workers'."""
+    workers = []
+    for index, seed in zip(range(args.workers), seeds, strict=True):
+        port = free_port()
+        stand.spawn(
+            f"sim-{index}",
+            [
+                sys.executable,
+                *("-m", "mineru_gateway", "sim", "--port", str(port)),
+                *("--time-scale", str(args.time_scale)),
+                *("--max-num-seqs", str(args.max_num_seqs)),
+                *("--seed", str(seed), "--engine-label", str(index)),
+                *("--log-level", "warning"),
+            ],
+        )
+        workers.append(f"http://127.0.0.1:{port}")
+    for url in workers:
+        wait_ok(url + "/health", stand)
+    port = free_port()
+    stand.spawn(
+        "gateway",
+        [
+            sys.executable,
+            *("-m", "mineru_gateway", "serve", "--port", str(port)),
+            *("--log-level", "warning"),
+            *("--workers", ",".join(workers)),
+            *gateway_argv,
+        ],
+    )
+    gateway = f"http://127.0.0.1:{port}"
+    wait_ok(gateway + "/ready", stand)
+    return gateway, workers
+
+
 def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) -> dict[str, Any]:
     log_dir = log_root / run.name
     log_dir.mkdir(parents=True, exist_ok=True)
     stand = Stand(log_dir)
     try:
-        workers = []
-        for index in range(args.workers):
-            port = free_port()
-            stand.spawn(
-                f"sim-{index}",
-                [
-                    sys.executable,
-                    *("-m", "mineru_gateway", "sim", "--port", str(port)),
-                    *("--time-scale", str(args.time_scale)),
-                    *("--max-num-seqs", str(args.max_num_seqs)),
-                    *("--seed", str(index), "--engine-label", str(index)),
-                    *("--log-level", "warning"),
-                ],
-            )
-            workers.append(f"http://127.0.0.1:{port}")
-        for url in workers:
-            wait_ok(url + "/health", stand)
-        port = free_port()
         gateway_argv = [
-            *("--workers", ",".join(workers)),
             *("--batch-limit", str(args.max_num_seqs)),
             *(("--api-keys", API_KEY) if run.api_key else ()),
             *run.gateway,
         ]
-        stand.spawn(
-            "gateway",
-            [
-                sys.executable,
-                *("-m", "mineru_gateway", "serve", "--port", str(port)),
-                *("--log-level", "warning"),
-                *gateway_argv,
-            ],
-        )
-        gateway = f"http://127.0.0.1:{port}"
-        wait_ok(gateway + "/ready", stand)
+        gateway, workers = start_stand(stand, args, gateway_argv, seeds=range(args.workers))
         driver_argv = [
             *("--url", gateway, "--pages", str(args.pages), "--mode", run.mode),
             *("--max-concurrency", str(run.max_concurrency)),
