@@ -79,6 +79,9 @@ class Flights(Generic[T]):
     def __init__(self, register: bool = True) -> None:
         self._register = register
         self._flying: dict[bytes, Flight[T]] = {}
+        # The loop the generations run on, named to `current_task`: looked up without it, the
+        # running loop costs a getpid() system call per request on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def find(self, key: bytes) -> Flight[T] | None:
         flight = self._flying.get(key)
@@ -86,7 +89,10 @@ class Flights(Generic[T]):
 
     def lead(self, key: bytes) -> Flight[T]:
         """A generation the current task leads; `landed` (or `failed`) then `done`."""
-        task = asyncio.current_task()
+        task = None if self._loop is None else asyncio.current_task(self._loop)
+        if task is None:  # the first generation, or one on another loop (tests)
+            self._loop = asyncio.get_running_loop()
+            task = asyncio.current_task(self._loop)
         assert task is not None
         flight: Flight[T] = Flight(task)
         if self._register:
