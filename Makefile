@@ -95,6 +95,9 @@ test: lint typecheck system-deps vllm mineru-clients
 ## The offline lane while you work (CONTRIBUTING.md): tests marked `unit`, the pure modules and the
 ## HTTP protocol; no network, redis-server, Prometheus or vLLM, and a refused reach fails the test.
 test-unit: install
+	@# A network namespace of its own (`unshare -n make test-unit`) starts with its loopback
+	@# down; the protocol tests need 127.0.0.1. Elsewhere this changes nothing.
+	@ip link set lo up 2>/dev/null || true
 	$(BIN)/pytest -m unit -p no:cacheprovider $(PYTEST_ARGS)
 
 ## Without the real-vLLM tests: for quick iterations only, CI runs `make test`.
