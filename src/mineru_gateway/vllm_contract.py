@@ -76,13 +76,11 @@ class Dialect:
     shutdown_timeout: bool = True
     # A queue-full rejection is counted in `vllm:admission_rejections` (vllm/v1/metrics/loggers.py).
     admission_metric: bool = True
-    # VLLM_ENGINE_READY_TIMEOUT_S bounds the engine's start-up (vllm/envs.py).
-    ready_timeout_env: bool = True
 
 
 # Metric families vLLM added after 0.11 (vllm/v1/metrics/loggers.py of each version): the
 # simulator leaves them out when it speaks an older one.
-_SINCE_0_23 = (
+_AFTER_0_11 = (
     "vllm:engine_sleep_state",
     "vllm:request_num_preemptions",
     "vllm:num_requests_waiting_by_reason",
@@ -96,12 +94,11 @@ DIALECTS: dict[str, Dialect] = {
     "0.11.0": Dialect(
         "0.11.0",
         extra_metrics=("vllm:time_per_output_token_seconds",),
-        missing_metrics=_SINCE_0_23,
+        missing_metrics=_AFTER_0_11,
         refuses_duplicate_id=True,
         queue_limits=False,
         shutdown_timeout=False,
         admission_metric=False,
-        ready_timeout_env=False,
     ),
     # vLLM-Ascend v0.23.0's image: the worker image's base (docs/facts/worker-image.md).
     "0.23.0": Dialect(

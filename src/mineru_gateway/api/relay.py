@@ -280,8 +280,7 @@ class Relay:
                 except _QueueFull:
                     # Busy, not failed: neither a retry nor a tried worker; held back a moment.
                     tried.pop()
-                    hold_s = context.registry.health.busy_hold_s
-                    grant = await context.dispatcher.bounce(grant, admission, hold_s)
+                    grant = await context.dispatcher.bounce(grant, admission)
                 except _Retry as failure:
                     if len(tried) > context.settings.max_retries:
                         raise failure.error from None

@@ -316,7 +316,7 @@ class Dispatcher:
             grant.ticket, worker, admission, grant.queued_s, unqueued=True, permit=permit
         )
 
-    async def bounce(self, grant: Grant, admission: Admission, retry_after_s: float) -> Grant:
+    async def bounce(self, grant: Grant, admission: Admission) -> Grant:
         """Another place for a request whose worker refused it because its own queue is full
         (that worker is held back, health.py): at once on a worker with room, else back in the
         queue, where it waits under its usual limits. Without flow control there is no queue:
@@ -332,7 +332,8 @@ class Dispatcher:
         grant.release()
         if not self.enabled:
             raise WorkersBusy(
-                "every worker's own queue is full; retry later", retry_after_s=retry_after_s
+                "every worker's own queue is full; retry later",
+                retry_after_s=self.registry.health.busy_hold_s,
             )
         again = await self.acquire(admission)
         again.queued_s += grant.queued_s
