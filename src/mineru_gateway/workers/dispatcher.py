@@ -412,9 +412,14 @@ class Dispatcher:
         """The workers among `views` the ticket may go to: all with room for a request below
         its share, else those with room outside their reserve (flow.RoomPolicy.reserve)."""
         room = self.room
-        if not room.reserve or self.queue.below_share(ticket):
+        if not room.reserve:
             return views
-        return [view for view in views if room.has_open_room(view)]
+        open_views = [view for view in views if room.has_open_room(view)]
+        # Only when the reserve is all some worker has left does the ticket's share matter: a
+        # walk of the tenants and the tenant's flows (`FairQueue.below_share`).
+        if len(open_views) == len(views) or self.queue.below_share(ticket):
+            return views
+        return open_views
 
     def _has_open_room(self, ticket: Ticket) -> bool:
         """Whether some worker has room the ticket may take (`_open`)."""
