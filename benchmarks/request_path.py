@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks.routing.fleet import Processes
 from benchmarks.routing.runs import git_commit
-from benchmarks.small_requests import CHAT, chat_body, upstream
+from benchmarks.small_requests import CHAT, VARY, chat_body, upstream
 
 MODEL = "tiny"
 CONCURRENCY = 16
@@ -127,10 +127,9 @@ async def _run(
     configure_logging("warning", "json")
     app = create_app(GatewaySettings(workers=list(upstreams), log_level="warning"))
     body = chat_body(MODEL, image_kb=image_kb, stream=stream)
-    raw = (
-        b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%b" % (CHAT.encode(), len(body), body)
-    )
+    # Every request numbered, made before the run: identical greedy requests in flight would
+    # share one worker request (docs/cache.md) and measure coalescing instead of relaying.
+    raws = iter([_numbered(body, number) for number in range(warmup + requests)])
     answered: list[int] = []
 
     async with app.api.router.lifespan_context(app.api) as state:
@@ -141,7 +140,7 @@ async def _run(
 
         async def loop(client: _Client, count: int) -> None:
             for _ in range(count):
-                answer = await client.request(raw)
+                answer = await client.request(next(raws))
                 whole = not stream or answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
                 answered.append(int(answer.startswith(b"HTTP/1.1 200 ") and whole))
 
@@ -160,6 +159,16 @@ async def _run(
         "answered": sum(answered),
         "body_bytes": len(body),
     }
+
+
+def _numbered(body: bytes, number: int) -> bytes:
+    """The request with `body` numbered after its first VARY, as wrk numbers them."""
+    mark = VARY.encode()
+    body = body.replace(mark, mark + b"%d" % number, 1)
+    return (
+        b"POST %b HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (CHAT.encode(), len(body), body)
+    )
 
 
 _turn = itertools.count()

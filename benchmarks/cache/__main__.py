@@ -253,7 +253,7 @@ def hit_parts(body: bytes) -> dict[str, float]:
     stored = encode_answer(StoredAnswer(200, "application/json", b"x" * 4000))
     parts = {
         "parse": lambda: parse_request("chat", body),
-        "key_blake3": lambda: cache_tag(request),
+        "key_blake3": lambda: cache_tag(request, ""),
         "key_sha256_same_bytes": lambda: hashlib.sha256(canonical).digest(),
         "read_stored_answer": lambda: decode_answer(stored),
     }

@@ -119,9 +119,11 @@ class RoomPolicy:
     def has_open_room(self, view: WorkerView) -> bool:
         """Room outside the reserve (which leaves at least one request's): what a request at or
         above its share may take."""
-        capacity = self.capacity(view)
-        open_capacity = max(1, capacity - self.reserve)
-        return self.has_room(view) and self.occupied(view) < open_capacity
+        return self.has_room(view) and self.beyond_reserve(view)
+
+    def beyond_reserve(self, view: WorkerView) -> bool:
+        """Of a worker with room (`has_room`): whether its room goes beyond the reserve."""
+        return self.occupied(view) < max(1, self.capacity(view) - self.reserve)
 
     def roomy(self, views: Iterable[WorkerView]) -> list[WorkerView]:
         return [view for view in views if self.has_room(view)]

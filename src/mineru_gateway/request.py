@@ -31,8 +31,9 @@ TOKEN_FIELDS = ("max_completion_tokens", "max_tokens")
 
 @value
 class CacheTag:
-    """A cacheable request: the digest of what determines its answer, before any tenant scope,
-    and whether a stream of it asked for a usage event (cache/keys.py)."""
+    """A cacheable request: the digest of what determines its answer within its scope (the
+    key it is stored and coalesced under), and whether a stream of it asked for a usage event
+    (cache/keys.py)."""
 
     digest: bytes
     include_usage: bool = False

@@ -7,7 +7,6 @@ import pytest
 
 from mineru_gateway.api.requests import parse_request
 from mineru_gateway.cache.answers import Answer, complete, decode, encode, replay_stream
-from mineru_gateway.cache.keys import scoped_key
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +26,7 @@ def chat(**extra: object) -> dict[str, object]:
 
 
 def tag_of(payload: dict[str, object]) -> bytes | None:
-    tag = parse_request("chat", orjson.dumps(payload), keyed=True).cache_tag
+    tag = parse_request("chat", orjson.dumps(payload), key_scope="").cache_tag
     return None if tag is None else tag.digest
 
 
@@ -70,17 +69,23 @@ def test_delivery_and_scheduling_fields_are_not_in_the_key_every_other_field_is(
     completions = parse_request("completions", orjson.dumps({"prompt": "p", "temperature": 0}))
     assert completions.cache_tag is None
     keyed = parse_request(
-        "completions", orjson.dumps({"prompt": "p", "temperature": 0}), keyed=True
+        "completions", orjson.dumps({"prompt": "p", "temperature": 0}), key_scope=""
     )
     assert keyed.cache_tag is not None and keyed.cache_tag.digest != base
 
 
-def test_tenants_keys_differ_and_name_neither_tenant_nor_digest() -> None:
-    tag = parse_request("chat", orjson.dumps(chat()), keyed=True).cache_tag
+def key_in(scope: str, payload: dict[str, object]) -> bytes:
+    tag = parse_request("chat", orjson.dumps(payload), key_scope=scope).cache_tag
     assert tag is not None
-    a, b, shared = scoped_key(tag, "a"), scoped_key(tag, "b"), scoped_key(tag, "")
+    return tag.digest
+
+
+def test_tenants_keys_differ_and_name_no_tenant() -> None:
+    body = chat()
+    a, b, shared = key_in("tenant-a", body), key_in("tenant-b", body), key_in("", body)
     assert len({a, b, shared}) == 3
-    assert tag.digest not in (a, b, shared)
+    assert all(name not in key for key in (a, b, shared) for name in (b"tenant-a", b"tenant-b"))
+    assert key_in("tenant-a", body) == a  # the same request, the same key
 
 
 def answer_body(finish: str = "stop", content: str = "# Title") -> bytes:

@@ -191,9 +191,8 @@ class Relay:
                 receive, _content_length(headers), context.settings.max_body_bytes
             )
             results = context.results
-            request = parse_request(
-                self.endpoint, body, context.media, context.limits, results is not None
-            )
+            key_scope = None if results is None else results.scope(tenant.name)
+            request = parse_request(self.endpoint, body, context.media, context.limits, key_scope)
             asked = request.priority
             if asked is None:
                 asked = header_priority(headers.get(context.priority_header))

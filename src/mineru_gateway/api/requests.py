@@ -60,11 +60,12 @@ def parse_request(
     body: bytes,
     media: MediaPolicy = DATA_ONLY,
     limits: RequestLimits = DEFAULT_LIMITS,
-    keyed: bool = False,
+    key_scope: str | None = None,
 ) -> ParsedRequest:
     """The body parsed (api/payload.py) and read into one typed value (request.py), which the
-    limits, the media policy, the prompt estimate and, when `keyed`, the cache key (a greedy
-    request's, for coalescing and the cache: cache/keys.py) then read."""
+    limits, the media policy, the prompt estimate and, with a `key_scope`, the cache key (a
+    greedy request's within that scope, for coalescing and the cache: cache/keys.py) then
+    read."""
     try:
         payload = loads(body)  # orjson's result, page images kept out of the parse
     except orjson.JSONDecodeError as exc:
@@ -81,7 +82,7 @@ def parse_request(
     else:
         prompt = estimate_completion(request.prompt)
     cost = CostInputs(request.model or "", prompt, request.max_tokens, request.ignore_eos)
-    tag = cache_tag(request) if keyed else None
+    tag = None if key_scope is None else cache_tag(request, key_scope)
     return ParsedRequest(endpoint, body, request.model, request.stream, cost, request.priority, tag)
 
 

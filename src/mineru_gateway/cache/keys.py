@@ -27,8 +27,10 @@ from mineru_gateway.request import CacheTag, Request
 NOT_IN_KEY = frozenset({"priority", "user", "stream", "stream_options", "request_id"})
 
 
-def cache_tag(request: Request) -> CacheTag | None:
-    """The request's tag when its answer is the same every time it is asked, else None."""
+def cache_tag(request: Request, scope: str) -> CacheTag | None:
+    """The request's tag when its answer is the same every time it is asked, else None. Its
+    digest is the key its answer is stored and coalesced under within `scope` (a tenant's name,
+    or "" when tenants share answers), hashed with it so that neither appears in clear."""
     payload = request.payload
     if not _greedy(payload) or not _single_plain_choice(payload):
         return None
@@ -36,19 +38,14 @@ def cache_tag(request: Request) -> CacheTag | None:
         {name: item for name, item in payload.items() if name not in NOT_IN_KEY},
         option=orjson.OPT_SORT_KEYS,
     )
-    hasher = blake3(request.endpoint.encode())
-    hasher.update(b"\0")
+    scoped = scope.encode()
+    # Length-prefixed: no scope and endpoint can read as another pair.
+    hasher = blake3(b"%d:%b\0%b\0" % (len(scoped), scoped, request.endpoint.encode()))
     hasher.update(canonical)
     digest = hasher.digest()
     options = payload.get("stream_options")
     usage = isinstance(options, dict) and options.get("include_usage") is True
     return CacheTag(digest, usage)
-
-
-def scoped_key(tag: CacheTag, scope: str) -> bytes:
-    """The key an answer is stored and coalesced under: the tag within a scope (a tenant's
-    name, or "" when tenants share answers), hashed so neither appears in clear."""
-    return blake3(scope.encode() + b"\0" + tag.digest).digest()
 
 
 def _greedy(payload: dict[str, Any]) -> bool:

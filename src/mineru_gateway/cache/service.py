@@ -17,12 +17,11 @@ from typing import Any, Protocol
 
 from mineru_gateway.cache.answers import Answer, complete, replay_stream, usage_of
 from mineru_gateway.cache.flights import Flight, Flights
-from mineru_gateway.cache.keys import scoped_key
 from mineru_gateway.cache.metrics import CacheCollector, CacheMetrics
 from mineru_gateway.cache.stores import MemoryStore, RedisStore, Store
 from mineru_gateway.config import GatewaySettings
 from mineru_gateway.errors import UpstreamError
-from mineru_gateway.request import CacheTag, ParsedRequest
+from mineru_gateway.request import ParsedRequest
 
 Headers = list[tuple[bytes, bytes]]
 SSE_TYPE = "text/event-stream"
@@ -156,8 +155,9 @@ class ResultCache:
         """One cacheable request's way through the cache (`Visit.serve`)."""
         return Visit(self, request, tenant)
 
-    def key(self, tag: CacheTag, tenant: str) -> bytes:
-        return scoped_key(tag, "" if self._shared else tenant)
+    def scope(self, tenant: str) -> str:
+        """The scope a tenant's requests are keyed in (`parse_request`'s `key_scope`)."""
+        return "" if self._shared else tenant
 
     async def generate(self, key: bytes, tenant: str, tally: Tally, run: Run) -> Generation:
         """Runs the generation into a held sink, for everyone: the leader's exchange still
@@ -216,7 +216,7 @@ class Visit:
         metrics = cache.metrics
         tag = request.cache_tag
         assert tag is not None
-        key = cache.key(tag, tenant)
+        key = tag.digest  # scoped to the tenant, or shared (`ResultCache.scope`)
         flight = cache.flights.find(key) if not request.stream else None
         if flight is None and cache.store is not None:
             memory = cache.memory  # read in place: no coroutine
@@ -241,26 +241,24 @@ class Visit:
             await _give(client, tally, request, answer, generation.usage, COALESCED, False)
             return
         metrics.misses.inc(tenant)
-        generation = await self._lead(key, tally, run)
-        await _give(client, tally, request, generation.answer, generation.usage, MISS, False)
-
-    async def _lead(self, key: bytes, tally: Tally, run: Run) -> Generation:
-        """The generation, in the leader's own task, shared with whoever joins meanwhile; the
-        leader's client leaving while others wait does not stop it (`stays`)."""
-        flights = self._cache.flights
-        flight: Flight[Generation] = flights.lead(key)
-        self._flight = flight
+        # It leads the generation, in its own task, shared with whoever joins meanwhile; its
+        # client leaving while others wait does not stop it (`stays`).
+        flights = cache.flights
+        leading: Flight[Generation] = flights.lead(key)
+        self._flight = leading
         try:
-            generation = await self._cache.generate(key, self._tenant, tally, run)
+            generation = await cache.generate(key, tenant, tally, run)
         except BaseException as error:
-            flight.failed(error)
+            leading.failed(error)
             raise
         else:
-            flight.landed(generation)
+            leading.landed(generation)
         finally:
             self._flight = None
-            flights.done(key, flight)
-        return generation
+            flights.done(key, leading)
+        answer = generation.answer
+        tally.usage = generation.usage
+        await client.respond(answer.status, answer.content_type, answer.body, MISS)
 
 
 async def _give(

@@ -409,12 +409,13 @@ class Dispatcher:
         return True
 
     def _open(self, ticket: Ticket, views: list[WorkerView]) -> list[WorkerView]:
-        """The workers among `views` the ticket may go to: all with room for a request below
-        its share, else those with room outside their reserve (flow.RoomPolicy.reserve)."""
+        """The workers among `views` (with room: a roomy offer's) the ticket may go to: all for
+        a request below its share, else those with room beyond their reserve
+        (flow.RoomPolicy.reserve)."""
         room = self.room
         if not room.reserve:
             return views
-        open_views = [view for view in views if room.has_open_room(view)]
+        open_views = [view for view in views if room.beyond_reserve(view)]
         # Only when the reserve is all some worker has left does the ticket's share matter: a
         # walk of the tenants and the tenant's flows (`FairQueue.below_share`).
         if len(open_views) == len(views) or self.queue.below_share(ticket):

@@ -126,7 +126,12 @@ class FleetIndex:
         self._rescan_s = rescan_s
         self._room: RoomCheck | None = None
         self._dirty: dict[str, Worker] = {}
-        self._placed: dict[str, tuple[Worker, frozenset[str]]] = {}
+        # url -> (worker, the models it is placed under, whether in the roomy bags)
+        self._placed: dict[str, tuple[Worker, frozenset[str], bool]] = {}
+        # Views the last placing built, of workers it found roomy by `_room`, at `_fresh_at`: a
+        # decision at that moment reads them instead of building and checking them again.
+        self._fresh: dict[str, WorkerView] = {}
+        self._fresh_at = -float("inf")
         self._pools: dict[str | None, _Pool] = {None: _Pool()}
         self._rescanned = -float("inf")
         # Workers with an idle kept-alive connection from this process, the latest last.
@@ -145,15 +150,15 @@ class FleetIndex:
     def offer(self, model: str | None, room: RoomCheck, exclude: Iterable[str] = ()) -> Offer:
         """Up to `sample` views of routable workers that serve `model`, not in `exclude`: those
         with room if any has, else any (empty when none is routable)."""
-        sorted_by = self._refresh(room)
+        now = time.monotonic()
+        sorted_by = self._refresh(room, now)
         pool = self._pools.get(model)
-        if pool is None or not pool:
+        if pool is None or not (pool.roomy.items or pool.full.items):
             return Offer([], False)
         skip = frozenset(exclude)
-        now = time.monotonic()
         views = self._draw_roomy(pool, room, skip, now)
         if not views and self._rescan(now):
-            self._flush(sorted_by)
+            self._flush(sorted_by, now)
             views = self._draw_roomy(pool, room, skip, now)
         if views:
             return Offer(views, True)
@@ -163,24 +168,25 @@ class FleetIndex:
 
     def routable_models(self, room: RoomCheck) -> frozenset[str]:
         """Every model some routable worker serves."""
-        self._refresh(room)
+        self._refresh(room, time.monotonic())
         return frozenset(model for model, pool in self._pools.items() if model and pool)
 
     def any_routable(self, room: RoomCheck) -> bool:
-        self._refresh(room)
+        self._refresh(room, time.monotonic())
         return bool(self._pools[None])
 
     def roomy_models(self, room: RoomCheck) -> tuple[bool, frozenset[str]]:
         """Whether any worker has room, and the models those with room serve."""
-        sorted_by = self._refresh(room)
-        if not self._pools[None].roomy and self._rescan(time.monotonic()):
-            self._flush(sorted_by)
+        now = time.monotonic()
+        sorted_by = self._refresh(room, now)
+        if not self._pools[None].roomy and self._rescan(now):
+            self._flush(sorted_by, now)
         roomy = bool(self._pools[None].roomy)
         models = frozenset(m for m, pool in self._pools.items() if m and pool.roomy)
         return roomy, models
 
     # -- keeping the bags ------------------------------------------------------------------
-    def _refresh(self, room: RoomCheck) -> RoomCheck:
+    def _refresh(self, room: RoomCheck, now: float) -> RoomCheck:
         """The room the bags are sorted by, with every change since placed: the first room
         policy asked with; `ANY_ROOM` (a retry, routing without flow control) reads the same
         bags, roomy first."""
@@ -188,7 +194,7 @@ class FleetIndex:
             self._room = room
             self.mark_all()
         if self._dirty:
-            self._flush(self._room)
+            self._flush(self._room, now)
         return self._room
 
     def _rescan(self, now: float) -> bool:
@@ -201,57 +207,96 @@ class FleetIndex:
             self._dirty[worker.url] = worker
         return True
 
-    def _flush(self, room: RoomCheck) -> None:
-        now = time.monotonic()
+    def _flush(self, room: RoomCheck, now: float) -> None:
         dirty, self._dirty = self._dirty, {}
+        if self._fresh_at != now:
+            self._fresh.clear()
+            self._fresh_at = now
         for url, worker in dirty.items():
             self._place(url, worker, room, now)
 
-    def _place(self, url: str, worker: Worker, room: RoomCheck, now: float) -> WorkerView | None:
-        """Puts the worker in the bags its view says; its view, or None if it left."""
+    def _place(self, url: str, worker: Worker, room: RoomCheck, now: float) -> None:
+        """Puts the worker in the bags its view says (it stays where it is when that has not
+        changed, as under load, where only its counts do)."""
         self._idle_warm.pop(url, None)
         if worker.in_flight == 0 and now - worker.released_at < WARM_S:
             self._idle_warm[url] = worker  # its request just ended (module docstring)
-        placed = self._placed.pop(url, None)
-        if placed is not None:
-            for model in (None, *placed[1]):
-                pool = self._pools[model]
-                pool.roomy.discard(url)
-                pool.full.discard(url)
-        if self._membership.by_url.get(url) is not worker:
-            return None  # removed (or replaced by a new worker at the same URL, marked too)
-        view = self._build(worker, now)
-        if not view.healthy:
-            return view
+        if self._fresh_at == now:
+            self._fresh.pop(url, None)
+        placed = self._placed.get(url)
+        # None: removed (or replaced by a new worker at the same URL, marked too)
+        view = self._build(worker, now) if self._membership.by_url.get(url) is worker else None
+        if view is None or not view.healthy:
+            if placed is not None:
+                self._unplace(url, placed[1])
+            return
         roomy = room.has_room(view)
-        self._placed[url] = (worker, view.models)
+        if roomy and room is self._room:
+            self._fresh[url] = view
+        if placed is not None:
+            if placed[2] == roomy and (placed[1] is view.models or placed[1] == view.models):
+                return
+            self._unplace(url, placed[1])
+        self._placed[url] = (worker, view.models, roomy)
         for model in (None, *view.models):
             into = self._pools.get(model)
             if into is None:
                 into = self._pools[model] = _Pool()
             (into.roomy if roomy else into.full).add(worker)
-        return view
+
+    def _unplace(self, url: str, models: frozenset[str]) -> None:
+        del self._placed[url]
+        for model in (None, *models):
+            pool = self._pools[model]
+            pool.roomy.discard(url)
+            pool.full.discard(url)
+
+    def _roomy_view(self, worker: Worker, room: RoomCheck, now: float) -> WorkerView | None:
+        """The worker's view now if it has room by `room`, else None: the one placing found
+        roomy a moment ago if there is one (`_fresh`), else built and checked."""
+        if now == self._fresh_at and room is self._room:
+            view = self._fresh.get(worker.url)
+            if view is not None:
+                return view
+        view = self._build(worker, now)
+        return view if room.has_room(view) else None
 
     def _draw_roomy(
         self, pool: _Pool, room: RoomCheck, skip: frozenset[str], now: float
     ) -> list[WorkerView]:
         """Fresh views of up to `sample` roomy workers, each checked again: one found full
         (module docstring) moves bags and another is drawn, a few times."""
-        views = self._warm(pool, room, skip, now)
-        seen = set(skip).union(view.name for view in views)
-        for _ in range(4):
-            wanted = self.sample - len(views)
-            drawn = pool.roomy.draw(wanted + len(seen), self._rng) if wanted > 0 else []
-            fresh = [worker for worker in drawn if worker.url not in seen][:wanted]
-            if not fresh:
-                break  # enough, or every roomy worker was looked at
-            for worker in fresh:
-                seen.add(worker.url)
-                view = self._build(worker, now)
-                if room.has_room(view):
+        if len(pool.roomy) <= self.sample:  # looked at whole, the warm workers among them
+            views = []
+            for worker in list(pool.roomy.items):
+                if worker.url in skip:
+                    continue
+                view = self._roomy_view(worker, room, now)
+                if view is not None:
                     views.append(view)
                 else:
                     self._place(worker.url, worker, self._room or room, now)
+            return views
+        views = self._warm(pool, room, skip, now)
+        seen = set(skip)
+        seen.update(view.name for view in views)
+        for _ in range(4):
+            wanted = self.sample - len(views)
+            if wanted <= 0:
+                break
+            roomy = pool.roomy
+            whole = len(roomy) <= wanted + len(seen)  # every roomy worker is drawn
+            drawn = roomy.draw(wanted + len(seen), self._rng)
+            fresh = [worker for worker in drawn if worker.url not in seen][:wanted]
+            for worker in fresh:
+                seen.add(worker.url)
+                view = self._roomy_view(worker, room, now)
+                if view is not None:
+                    views.append(view)
+                else:
+                    self._place(worker.url, worker, self._room or room, now)
+            if whole or not fresh:
+                break  # every roomy worker was looked at
         return views
 
     def _warm(
@@ -270,8 +315,8 @@ class FleetIndex:
         for url, worker in reversed(idle_warm.items()):
             if url in skip or url not in roomy or worker.in_flight:
                 continue
-            view = self._build(worker, now)
-            if room.has_room(view):
+            view = self._roomy_view(worker, room, now)
+            if view is not None:
                 views.append(view)
                 if len(views) == WARM_DRAWN:
                     break

@@ -137,7 +137,7 @@ class Worker:
         scrape, built, routable = self.scrape, self._view, self.routable
         in_flight, cost = self.in_flight, self.own_cost
         warm = now - self.released_at < WARM_S
-        limit, limit_until = self.queue_limit(now)
+        limit, limit_until = (None, math.inf) if self.refused_at is None else self.queue_limit(now)
         held = limit is not None and in_flight >= limit
         if built is not None and now < built.until and built.scrape is scrape:
             view, until = built.view, built.until
@@ -163,17 +163,9 @@ class Worker:
             until = math.inf  # no reading, or a stale one: nothing to cross
             if scrape is not None and reported is not None:
                 until = scrape.at + load.stale_after_s
+        # Positional: a fraction of the keyword form's cost (docs/proxy-costs.md).
         view = WorkerView(
-            name=self.url,
-            healthy=routable,
-            in_flight=in_flight,
-            models=models,
-            own_cost=cost,
-            reported=reported,
-            slowness=slowness,
-            batch_limit=batch_limit,
-            warm=warm,
-            held=held,
+            self.url, routable, in_flight, models, cost, reported, slowness, batch_limit, warm, held
         )
         if limit is not None:
             until = min(until, limit_until)  # built again when the limit grows
