@@ -36,31 +36,35 @@ LENGTH_MODELS = {
     PromptKind.OTHER: LengthModel(median=100, sigma=0.8, low=1, high=2000),
 }
 
-# Answer text, one string per token, cycled; shaped like MinerU2.5's outputs.
-VOCABULARY = {
-    PromptKind.LAYOUT: (
+LAYOUT_BLOCKS = 45  # distinct blocks a layout answer lists before its text repeats
+
+
+def _layout_block(index: int) -> tuple[str, ...]:
+    """One block of a layout answer, 22 tokens, as MinerU2.5 writes it: its box (0-999 on each
+    axis), type and rotation. Each block has a band of the page to itself: MinerU's client
+    drops a block whose box overlaps another of its type too much, and then makes no request
+    for it. Mostly text, an equation every twelfth (tables are rare and long)."""
+    top = 10 + 22 * index
+    box = f"{100:03d} {top:03d} {900:03d} {top + 18:03d}"
+    kind = "equation" if index % 12 == 5 else "text"
+    return (
         "<|box_start|>",
-        "1",
-        "2",
-        "3",
-        " ",
-        "4",
-        "5",
-        "6",
-        " ",
-        "7",
-        "8",
-        "9",
-        " ",
-        "9",
-        "0",
-        "0",
+        *box,  # one token a character: 15
         "<|box_end|>",
         "<|ref_start|>",
-        "text",
+        kind,
         "<|ref_end|>",
+        "<|rotate_up|>",
         "\n",
-    ),
+    )
+
+
+# Answer text, one string per token, cycled; shaped like MinerU2.5's outputs. A layout answer
+# lists up to LAYOUT_BLOCKS distinct blocks, one per ~22 tokens: a median page (500 tokens)
+# then asks MinerU's client for ~22 block requests (a page has about 10-30,
+# docs/mineru-client.md, "The load per page").
+VOCABULARY = {
+    PromptKind.LAYOUT: tuple(token for i in range(LAYOUT_BLOCKS) for token in _layout_block(i)),
     PromptKind.TEXT: (
         " The",
         " quick",
