@@ -135,7 +135,7 @@ bench-mineru-client: install mineru-vl-utils
 		--out benchmarks/results/flow_mineru_client.json
 
 ## Documents through one key with MinerU's own client: small documents behind a large one, and a
-## 100-page document's pages in flight, against first come, first served (about 6 minutes).
+## 100-page document's pages in flight, against first come, first served (about 12 minutes).
 bench-documents: install mineru-vl-utils
 	$(BIN)/python -m benchmarks.mineru_client.documents --venv $(MINERU_VL_UTILS_VENV) \
 		--gateway-arg=--batch-reserve=2 --out benchmarks/results/flow_documents.json

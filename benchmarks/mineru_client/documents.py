@@ -4,7 +4,8 @@ Two scenarios, each run with fresh simulated workers and a fresh gateway per run
 scenario in the same invocation (ratios within one run of this command):
 
 - `small` (measure 1): a 40-page document, then four 3-page documents 2 s later, all through one
-  key, with the workers' batches full. Runs: each small document alone; first come, first
+  key, with the workers' batches full. Runs: each small document alone; the four at once
+  without the big one (what they cost each other); first come, first
   served (`--order-steps false`, no document ids: the gateway before documents); document ids
   sent (`X-Document-Id` through `MinerUClient(server_headers=...)`); no ids (steps ordered only).
   Each small document's completion against its time alone, the big one's against first come,
@@ -62,8 +63,10 @@ def runs(scenario: str) -> list[Run]:
             Run(f"alone_{s['name']}", "the small document alone", ({**s, "start_s": 0.0},), True)
             for s in SMALL
         ]
+        together = tuple({**s, "start_s": 0.0} for s in SMALL)
         return [
             *alone,
+            Run("smalls_together", "the four small documents at once, no big one", together, True),
             Run("fcfs", "first come, first served: no ids, steps not ordered", mixed, False, FCFS),
             Run("ids", "document ids sent, steps ordered (the default)", mixed, True),
             Run("no_ids", "no document ids, steps ordered (the default)", mixed, False),
@@ -161,6 +164,10 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
             if r["name"].startswith("alone_")
         }
         fcfs_big = next(d for d in by_name["fcfs"]["documents"] if d["name"] == BIG["name"])
+        together = {
+            d["name"]: d["completion_s"]
+            for d in by_name.get("smalls_together", {"documents": []})["documents"]
+        }
         for name in ("fcfs", "ids", "no_ids"):
             if name not in by_name:
                 continue
@@ -172,6 +179,12 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "small_vs_alone_mean": round(statistics.fmean(small.values()), 2)
                 if small
                 else None,
+                # Against the four at once without the big one: what the big one costs them.
+                "small_vs_together_mean": round(
+                    statistics.fmean(docs[n]["completion_s"] / together[n] for n in together), 2
+                )
+                if together
+                else None,
                 "big_completion_s": docs[BIG["name"]]["completion_s"],
                 "big_vs_fcfs": round(
                     docs[BIG["name"]]["completion_s"] / fcfs_big["completion_s"], 3
@@ -179,10 +192,15 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "failed_pages": sum(d["pages_failed"] for d in docs.values()),
             }
         out["alone_s"] = alone
+        out["together_s"] = together
     for name in ("pages_fcfs", "pages_ordered"):
         if name in by_name:
             out[name] = page_figures(by_name[name]["documents"][0])
     return out
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def markdown(document: dict[str, Any]) -> str:
@@ -198,17 +216,17 @@ def markdown(document: dict[str, Any]) -> str:
         f"{document['setup']['max_num_seqs']}`, `--time-scale {document['setup']['time_scale']}`, "
         "one seed), gateway `--batch-limit` the same; fresh workers and gateway per run. One "
         "`MinerUClient` per document; with ids each sends `X-Document-Id` through "
-        "`server_headers`. The simulator's layout answers give one block per page (2 requests "
-        "a page; real pages have ~13).",
+        "`server_headers`. The simulator's layout answers list distinct blocks, one per ~22 "
+        "answer tokens (a median page: ~22 block requests; real pages have about 10-30).",
         "",
     ]
     if "fcfs" in s:
         lines += [
             "## 1. A 40-page document, then four 3-page documents 2 s later",
             "",
-            "| run | small docs: completion / alone (each) | max | mean | big doc completion "
-            "| big / FCFS | failed pages |",
-            "|---|---|---|---|---|---|---|",
+            "| run | small docs: completion / alone (each) | max | mean | mean / the four "
+            "together | big doc completion | big / FCFS | failed pages |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name in ("fcfs", "ids", "no_ids"):
             if name in s:
@@ -216,11 +234,17 @@ def markdown(document: dict[str, Any]) -> str:
                 each = ", ".join(f"{v:.2f}x" for v in r["small_vs_alone"].values())
                 lines.append(
                     f"| `{name}` | {each} | {r['small_vs_alone_max']:.2f}x | "
-                    f"{r['small_vs_alone_mean']:.2f}x | {r['big_completion_s']:.1f} s | "
+                    f"{r['small_vs_alone_mean']:.2f}x | "
+                    f"{_ratio(r.get('small_vs_together_mean'))} | "
+                    f"{r['big_completion_s']:.1f} s | "
                     f"{r['big_vs_fcfs']:.3f}x | {r['failed_pages']} |"
                 )
         alone = ", ".join(f"{k} {v:.1f} s" for k, v in s["alone_s"].items())
-        lines += ["", f"Alone: {alone}.", ""]
+        lines += ["", f"Alone: {alone}."]
+        if s.get("together_s"):
+            together = ", ".join(f"{k} {v:.1f} s" for k, v in s["together_s"].items())
+            lines.append(f"The four together, no big one: {together}.")
+        lines.append("")
         for run in document["runs"]:
             lines.append(
                 f"- `{run['name']}`: {run['what']} (gateway `{' '.join(run['gateway_args'])}`)"

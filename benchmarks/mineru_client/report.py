@@ -51,15 +51,16 @@ docs/flow-control.md):
 """
 
 SIM_NOTES = """\
-What the simulator answers (src/mineru_gateway/sim/workload.py): a layout answer repeats
-`<|box_start|>123 456 789 900<|box_end|><|ref_start|>text<|ref_end|>\\n`, which MinerU's layout
-regex parses as text blocks with one and the same box; MinerU de-duplicates boxes (IoU > 0.9),
-so every page has exactly one text block and one second-step request (`Text Recognition`):
-2 requests a page here, against ~13 on real pages. The answers end with `stop`: the client sends
-no `max_tokens`, so the limit is the context left (16384 minus the prompt) and the longest drawn
-answer (2500 tokens for layout) is below it. `vllm_xargs: {"sim_output_tokens": N}` would fix
-answer lengths, but MinerU's client builds `vllm_xargs` itself (`no_repeat_ngram_size`, `debug`)
-and cannot add to it, so answer lengths are the simulator's draws.
+What the simulator answers (src/mineru_gateway/sim/workload.py): a layout answer lists distinct
+blocks, `<|box_start|>x1 y1 x2 y2<|box_end|><|ref_start|>text<|ref_end|><|rotate_up|>\\n` with
+each block in a band of the page of its own (an equation every twelfth), one per ~22 answer
+tokens, so MinerU's client keeps them all (it drops boxes that overlap, IoU > 0.9) and sends a
+second-step request for each: a median page (500 layout tokens) brings ~22 block requests, a real
+page about 10-30. The answers end with `stop`: the client sends no `max_tokens`, so the limit is
+the context left (16384 minus the prompt) and the longest drawn answer (2500 tokens for layout)
+is below it. `vllm_xargs: {"sim_output_tokens": N}` would fix answer lengths, but MinerU's client
+builds `vllm_xargs` itself (`no_repeat_ngram_size`, `debug`) and cannot add to it, so answer
+lengths are the simulator's draws.
 """
 
 
