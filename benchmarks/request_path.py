@@ -122,6 +122,7 @@ async def _run(
     from mineru_gateway.api.app import create_app
     from mineru_gateway.api.connection import Edge, GatewayHttpProtocol
     from mineru_gateway.config import GatewaySettings
+    from mineru_gateway.entry import server
     from mineru_gateway.entry.logs import configure_logging
 
     configure_logging("warning", "json")
@@ -148,6 +149,9 @@ async def _run(
         answered.clear()
         gc.collect()
         gc.freeze()  # as the server does once listening (entry/server.py)
+        young = getattr(server, "GC_YOUNG", None)  # a candidate tree may predate it
+        if young is not None:
+            gc.set_threshold(young, *gc.get_threshold()[1:])
         started, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(loop(client, requests // CONCURRENCY) for client in clients))
         cpu, wall = time.process_time() - cpu, time.perf_counter() - started
