@@ -32,8 +32,8 @@ How mineru-vl-utils 2.0.7 behaves (read from its source, seen in the runs):
 """
 
 WHY_NOTES = """\
-Why no page is lost through a shedding gateway (`DrainRate` in src/mineru_gateway/flow.py,
-docs/flow-control.md):
+How a shedding gateway spaces MinerU's retries (`DrainRate` in src/mineru_gateway/flow.py,
+docs/flow-control.md), and where that stops being enough:
 
 - One `Retry-After` for every refused request would lose pages: one MinerU client keeps 100
   requests outstanding, so those refused together would come back together, a few would fit and
@@ -43,7 +43,10 @@ docs/flow-control.md):
   120 s, the most MinerU honours). The pace is completions per second over 10 s (at least a 5 s
   span), not dispatches, so the burst that fills idle workers at the onset does not count;
   before the first completions a pace of 1 per second is assumed. Refused requests come back
-  spread over the time the fleet needs for them, and find room.
+  spread over the time the fleet needs for them.
+- Where it stops: a page is a layout request and then ~22 block requests, so the refused
+  demand can need more than the 120 s MinerU honours, and 4 attempts; then pages fail (the
+  table's failed column).
 - What it costs: while refused requests sleep, the queue can run empty and workers idle for a
   moment (the slots are an estimate), so a batch through a small queue takes longer than
   through a large one (wall time in the table). Shedding is for floods; for MinerU clients a
