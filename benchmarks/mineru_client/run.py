@@ -301,7 +301,7 @@ def execute(run: Run, args: argparse.Namespace, python: Path, log_root: Path) ->
     return {
         "name": run.name,
         "what": run.what,
-        "gateway_args": ["--batch-limit", str(args.max_num_seqs), *gateway_argv[4:]],
+        "gateway_args": gateway_argv,  # the key is masked in the report (`report._row`)
         "client_settings": {
             "mode": run.mode,
             "max_concurrency": run.max_concurrency,
