@@ -256,9 +256,7 @@ class Visit:
         finally:
             self._flight = None
             flights.done(key, leading)
-        answer = generation.answer
-        tally.usage = generation.usage
-        await client.respond(answer.status, answer.content_type, answer.body, MISS)
+        await _give(client, tally, request, generation.answer, generation.usage, MISS, False)
 
 
 async def _give(

@@ -231,8 +231,8 @@ class FleetIndex:
                 self._unplace(url, placed[1])
             return
         roomy = room.has_room(view)
-        if roomy and room is self._room:
-            self._fresh[url] = view
+        if roomy and room is self._room and self._fresh_at == now:
+            self._fresh[url] = view  # only views of the placing at `_fresh_at` are kept
         if placed is not None:
             if placed[2] == roomy and (placed[1] is view.models or placed[1] == view.models):
                 return
@@ -251,6 +251,15 @@ class FleetIndex:
             pool.roomy.discard(url)
             pool.full.discard(url)
 
+    def _check(self, worker: Worker, room: RoomCheck, now: float, views: list[WorkerView]) -> None:
+        """Adds the worker's view to `views` if it has room by `room`; else (its room went
+        without an event, module docstring) it moves bags."""
+        view = self._roomy_view(worker, room, now)
+        if view is not None:
+            views.append(view)
+        else:
+            self._place(worker.url, worker, self._room or room, now)
+
     def _roomy_view(self, worker: Worker, room: RoomCheck, now: float) -> WorkerView | None:
         """The worker's view now if it has room by `room`, else None: the one placing found
         roomy a moment ago if there is one (`_fresh`), else built and checked."""
@@ -267,15 +276,10 @@ class FleetIndex:
         """Fresh views of up to `sample` roomy workers, each checked again: one found full
         (module docstring) moves bags and another is drawn, a few times."""
         if len(pool.roomy) <= self.sample:  # looked at whole, the warm workers among them
-            views = []
+            views: list[WorkerView] = []
             for worker in list(pool.roomy.items):
-                if worker.url in skip:
-                    continue
-                view = self._roomy_view(worker, room, now)
-                if view is not None:
-                    views.append(view)
-                else:
-                    self._place(worker.url, worker, self._room or room, now)
+                if worker.url not in skip:
+                    self._check(worker, room, now, views)
             return views
         views = self._warm(pool, room, skip, now)
         seen = set(skip)
@@ -290,11 +294,7 @@ class FleetIndex:
             fresh = [worker for worker in drawn if worker.url not in seen][:wanted]
             for worker in fresh:
                 seen.add(worker.url)
-                view = self._roomy_view(worker, room, now)
-                if view is not None:
-                    views.append(view)
-                else:
-                    self._place(worker.url, worker, self._room or room, now)
+                self._check(worker, room, now, views)
             if whole or not fresh:
                 break  # every roomy worker was looked at
         return views
