@@ -11,6 +11,7 @@ import pytest
 from mineru_gateway.flow import (
     DrainRate,
     FairQueue,
+    KeptTurns,
     QueueLimits,
     Rejected,
     RoomPolicy,
@@ -220,6 +221,74 @@ def test_a_full_queue_sheds_the_newest_request_of_the_tenant_holding_most_of_it(
     extra = ticket(A)
     assert queue.push(extra) == [extra]
     assert len(queue) == 10
+
+
+def returning(tenant: TenantPolicy, *, size: int = 1) -> Ticket:
+    """A request back on the turn its refusal kept (flow.py's KeptTurns)."""
+    back = ticket(tenant, size=size)
+    back.returning = True
+    return back
+
+
+def test_a_full_queue_sheds_a_new_request_before_one_back_on_its_turn() -> None:
+    queue = FairQueue(QueueLimits(max_queued=3))
+    fresh = [ticket(A), ticket(A, kind=PromptKind.TEXT), ticket(A)]
+    for item in fresh:
+        queue.push(item)
+    back = returning(A)
+    assert queue.push(back) == [fresh[-1]]  # the newest new one goes, wherever it is queued
+    assert fresh[-1].shed_why == "queue_full"
+    second = returning(A)
+    assert queue.push(second) == [fresh[1]]
+    newcomer = ticket(A)  # new, into a queue full of returning ones and one older new one
+    assert queue.push(newcomer) == [newcomer]
+    third = returning(A)
+    assert queue.push(third) == [fresh[0]]
+    # Only returning requests left: the newest of them goes, as any would.
+    fourth = returning(A)
+    assert queue.push(fourth) == [fourth]
+    assert [item.returning for item in queue.tickets()] == [True, True, True]
+
+
+def test_a_returning_request_takes_a_new_ones_place_under_its_tenants_limit() -> None:
+    small = TenantPolicy("small", max_queued=2)
+    queue = FairQueue()
+    waiting = [ticket(small), ticket(small)]
+    for item in waiting:
+        queue.push(item)
+    back = returning(small)
+    assert queue.push(back) == [waiting[-1]]
+    assert waiting[-1].shed_why == "tenant_queue_full" and back.queued
+    with pytest.raises(Rejected) as full:
+        queue.push(ticket(small))
+    assert full.value.why == "tenant_queue_full"
+    assert queue.push(returning(small)) == [waiting[0]]
+    with pytest.raises(Rejected):  # nothing new left to push out
+        queue.push(returning(small))
+    assert len(queue) == 2 and queue.queued_of("small") == 2
+    # The byte limit holds for returning requests too: nothing is pushed out for bytes.
+    bytes_capped = TenantPolicy("bytes", max_queued=1, max_queued_bytes=10)
+    old = ticket(bytes_capped, size=5)
+    queue.push(old)
+    with pytest.raises(Rejected) as too_big:
+        queue.push(returning(bytes_capped, size=6))
+    assert too_big.value.why == "tenant_queue_bytes_full" and old.queued
+
+
+def test_kept_turns_come_back_at_their_slot_once_and_are_bounded() -> None:
+    turns = KeptTurns(grace_s=120.0, max_kept=3)
+    turns.keep(b"a", back_at=10.0, now=0.0)
+    assert not turns.back(b"a", now=5.0)  # early: not back on its turn
+    assert turns.back(b"a", now=9.9)  # on time, within a timer's slack
+    assert not turns.back(b"a", now=11.0)  # used up
+    assert not turns.back(b"unknown", now=11.0)
+    turns.keep(b"late", back_at=10.0, now=0.0)
+    assert not turns.back(b"late", now=131.0)  # its turn lapsed
+    for name in (b"1", b"2", b"3", b"4"):
+        turns.keep(name, back_at=200.0, now=100.0)
+    assert len(turns) == 3 and not turns.back(b"1", now=200.0)  # the oldest went
+    turns.keep(b"5", back_at=400.0, now=330.0)  # the others lapsed meanwhile
+    assert len(turns) == 1 and turns.back(b"5", now=400.0)
 
 
 def test_a_full_byte_budget_sheds_by_bytes_over_weight() -> None:

@@ -172,6 +172,10 @@ class Ticket:
     handle: Any = None  # the caller's (the dispatcher's future), opaque here
     queued: bool = False
     seq: int = 0  # arrival order in the queue, set by `push`
+    # Back at the time a refusal's Retry-After gave it (`KeptTurns`): a full queue sheds
+    # requests that are not before it (docs/flow-control.md, "Backpressure").
+    returning: bool = False
+    shed_why: str = "queue_full"  # why `push` pushed it out, when it did
 
     @property
     def name(self) -> str:
@@ -298,11 +302,12 @@ class _TenantQueue:
     """One tenant's requests in one band, by flow. Its head is the head of the flow with the
     least attained service (ties: the earliest arrival)."""
 
-    __slots__ = ("count", "flows", "order_steps")
+    __slots__ = ("count", "flows", "order_steps", "returning")
 
     def __init__(self, order_steps: bool) -> None:
         self.flows: dict[str | None, _FlowQueue] = {}
         self.count = 0
+        self.returning = 0  # of them back on a kept turn
         self.order_steps = order_steps
 
     def __len__(self) -> int:
@@ -319,6 +324,7 @@ class _TenantQueue:
             queue = self.flows[ticket.flow] = _FlowQueue(flow)
         (queue.blocks if self.order_steps and ticket.is_block else queue.rest).append(ticket)
         self.count += 1
+        self.returning += ticket.returning
 
     def head(self) -> Ticket:
         flows = self.flows
@@ -336,10 +342,29 @@ class _TenantQueue:
         return best
 
     def newest(self) -> Ticket:
-        """The most recent arrival: what a full queue sheds first."""
-        tails = [q.blocks[-1] for q in self.flows.values() if q.blocks]
-        tails += [q.rest[-1] for q in self.flows.values() if q.rest]
-        return max(tails, key=lambda t: t.seq)
+        """What a full queue sheds first: the most recent arrival not back on a kept turn, else
+        the most recent arrival."""
+        return self.newest_fresh() or max(self._tails(), key=lambda t: t.seq)
+
+    def newest_fresh(self) -> Ticket | None:
+        """The most recent arrival not back on a kept turn, if any."""
+        if self.returning == 0:
+            return max(self._tails(), key=lambda t: t.seq, default=None)
+        fresh = [
+            found
+            for queue in self.flows.values()
+            for tickets in (queue.blocks, queue.rest)
+            if (found := next((t for t in reversed(tickets) if not t.returning), None))
+        ]
+        return max(fresh, key=lambda t: t.seq, default=None)
+
+    def _tails(self) -> list[Ticket]:
+        return [
+            tickets[-1]
+            for queue in self.flows.values()
+            for tickets in (queue.blocks, queue.rest)
+            if tickets
+        ]
 
     def remove(self, ticket: Ticket) -> None:
         queue = self.flows[ticket.flow]
@@ -349,6 +374,7 @@ class _TenantQueue:
         else:
             tickets.remove(ticket)
         self.count -= 1
+        self.returning -= ticket.returning
         if not queue:
             del self.flows[ticket.flow]
 
@@ -392,9 +418,13 @@ class FairQueue:
     # -- admission ------------------------------------------------------------------------
     def push(self, ticket: Ticket) -> list[Ticket]:
         """Queues `ticket`; returns the tickets pushed out to make room (longest-queue drop),
-        which may be `ticket` itself. Raises Rejected when its tenant's own limit is reached."""
+        which may be `ticket` itself. Raises Rejected when its tenant's own limit is reached,
+        unless `ticket` is back on a kept turn and the tenant has a request queued that is not:
+        that one is pushed out instead."""
         state = self._tenant(ticket.tenant)
-        self._check_tenant(state, ticket)
+        displaced = self._check_tenant(state, ticket)
+        if displaced:  # the tenant may have been forgotten with the request pushed out
+            state = self._tenant(ticket.tenant)
         flow = self._place(state, ticket)
         queues = self._bands.setdefault(ticket.priority, _Band()).queues
         tenant_queue = queues.get(ticket.name)
@@ -406,26 +436,46 @@ class FairQueue:
         flow.queued += 1
         self._count(state, ticket, +1)
         ticket.queued = True
-        return self._shed()
+        return displaced + self._shed()
 
-    def _check_tenant(self, state: _TenantState, ticket: Ticket) -> None:
+    def _check_tenant(self, state: _TenantState, ticket: Ticket) -> list[Ticket]:
+        """Raises Rejected if the tenant's own limits leave no room for `ticket`; the tenant's
+        request pushed out to make room for a returning one, if one was (never for bytes)."""
         policy = state.policy
         if policy.max_queued is None and policy.max_queued_bytes is None:
-            return
+            return []
         _, queued, queued_bytes = self._others(policy.name)
         queued += state.queued
+        victim = None
         if policy.max_queued is not None and queued >= policy.max_queued:
-            raise Rejected(
-                "tenant_queue_full",
-                f"tenant {policy.name!r} already has {queued} requests queued "
-                f"(its limit is {policy.max_queued})",
-            )
+            victim = self._newest_fresh_of(policy.name) if ticket.returning else None
+            if victim is None or queued > policy.max_queued:
+                raise Rejected(
+                    "tenant_queue_full",
+                    f"tenant {policy.name!r} already has {queued} requests queued "
+                    f"(its limit is {policy.max_queued})",
+                )
         limit = policy.max_queued_bytes
         if limit is not None and queued_bytes + state.queued_bytes + ticket.size > limit:
             raise Rejected(
                 "tenant_queue_bytes_full",
                 f"tenant {policy.name!r} would hold more than {limit} bytes of queued requests",
             )
+        if victim is None:
+            return []
+        self.remove(victim)
+        victim.shed_why = "tenant_queue_full"
+        return [victim]
+
+    def _newest_fresh_of(self, tenant: str) -> Ticket | None:
+        """The tenant's most recent queued arrival not back on a kept turn, in its least urgent
+        band that has one."""
+        for priority in sorted(self._bands, reverse=True):
+            queue = self._bands[priority].queues.get(tenant)
+            found = queue.newest_fresh() if queue is not None else None
+            if found is not None:
+                return found
+        return None
 
     def _shed(self) -> list[Ticket]:
         shed: list[Ticket] = []
@@ -444,6 +494,7 @@ class FairQueue:
         least_urgent = max(p for p, band in self._bands.items() if name in band.queues)
         victim = self._bands[least_urgent].queues[name].newest()
         self.remove(victim)
+        victim.shed_why = "queue_full"
         return victim
 
     # -- dispatch -------------------------------------------------------------------------
@@ -713,6 +764,51 @@ class DrainRate:
         slot = min(slot, now + self.MAX_S)
         self._next_slot = slot + 1 / rate
         return max(self.FLOOR_S, slot - now)
+
+
+class KeptTurns:
+    """The requests refused lately, by identity, and when their `Retry-After` sends them back.
+
+    A client that honours `Retry-After` comes back at its slot; a full queue then pushes out a
+    request that is not coming back before it pushes out one that is (`Ticket.returning`,
+    `FairQueue.push`). Without this a refused request loses its place again to whatever
+    arrived the moment room appeared (MinerU's client sends its next request the moment one
+    ends) and runs out of retries (docs/flow-control.md, "Backpressure"). Bounded: a turn
+    lapses `grace_s` after its slot, and past `max_kept` the oldest go.
+    """
+
+    # `Retry-After` is its slot rounded up to whole seconds; a client's timer may fire a little
+    # before a slot it was told exactly.
+    EARLY_S = 0.25
+
+    def __init__(self, grace_s: float = 120.0, max_kept: int = 65_536) -> None:
+        self.grace_s = grace_s
+        self.max_kept = max_kept
+        self._back_at: dict[bytes, float] = {}  # identity -> its slot, the oldest kept first
+
+    def __len__(self) -> int:
+        return len(self._back_at)
+
+    def keep(self, identity: bytes, back_at: float, now: float) -> None:
+        kept = self._back_at
+        kept.pop(identity, None)
+        kept[identity] = back_at
+        while len(kept) > self.max_kept:
+            del kept[next(iter(kept))]
+        while kept:  # lapsed turns, the oldest kept first (slots come in about that order)
+            old, slot = next(iter(kept.items()))
+            if slot + self.grace_s > now:
+                break
+            del kept[old]
+
+    def back(self, identity: bytes, now: float) -> bool:
+        """Whether the request is back on a kept turn now (its turn is used up if so). One
+        back before its slot is not: refused again, it is given a later one."""
+        back_at = self._back_at.get(identity)
+        if back_at is None or now < back_at - self.EARLY_S:
+            return False
+        del self._back_at[identity]
+        return now <= back_at + self.grace_s
 
 
 # -- how long the queue takes to drain ---------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -21,7 +23,11 @@ MODEL = "m"
 
 
 def fleet(
-    *urls: str, batch: int = 2, limits: QueueLimits | None = None, enabled: bool = True
+    *urls: str,
+    batch: int = 2,
+    limits: QueueLimits | None = None,
+    enabled: bool = True,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Dispatcher:
     registry = WorkerRegistry(
         list(urls), UpstreamClient(Timeouts(1, 1, 1)), LeastInflight(), batch_limit=batch
@@ -29,11 +35,17 @@ def fleet(
     for worker in registry.membership.workers:
         worker.healthy, worker.models = True, {MODEL: {"id": MODEL}}
     room = RoomPolicy(headroom=0.0, min_headroom=0)  # exactly `batch` per worker
-    return Dispatcher(registry, FairQueue(limits), room, enabled=enabled)
+    return Dispatcher(registry, FairQueue(limits), room, enabled=enabled, clock=clock)
 
 
-def ask(tenant: TenantPolicy = A, priority: int = 0, model: str | None = MODEL) -> Admission:
-    return Admission(tenant, priority, Cost(prefill=0.0, hold=1.0), 100, model)
+def ask(
+    tenant: TenantPolicy = A,
+    priority: int = 0,
+    model: str | None = MODEL,
+    identity: bytes | None = None,
+) -> Admission:
+    cost = Cost(prefill=0.0, hold=1.0)
+    return Admission(tenant, priority, cost, 100, model, identity=identity)
 
 
 async def settle() -> None:
@@ -132,6 +144,43 @@ async def test_a_full_queue_sheds_the_flooding_tenant() -> None:
     for task in (*flood[:2], other):
         task.cancel()
     await settle()
+
+
+async def test_a_refused_request_back_at_its_retry_after_keeps_its_turn() -> None:
+    """A request refused at a full queue and back when its Retry-After said pushes out one that
+    came in meanwhile, instead of being refused again; back early, it is refused again
+    (docs/flow-control.md, "Backpressure")."""
+    now = [100.0]
+    dispatcher = fleet("http://w0", batch=1, limits=QueueLimits(max_queued=1), clock=lambda: now[0])
+    held = await dispatcher.acquire(ask())  # the worker's one place
+    first = asyncio.ensure_future(dispatcher.acquire(ask(identity=b"first")))
+    await settle()
+    with pytest.raises(Overloaded) as refused:
+        await dispatcher.acquire(ask(identity=b"late"))
+    wait = refused.value.retry_after_s
+    assert wait is not None and wait >= 1
+    now[0] += wait / 2
+    with pytest.raises(Overloaded) as early:
+        await dispatcher.acquire(ask(identity=b"late"))
+    assert early.value.reason == "queue_full" and not first.done()
+    wait = early.value.retry_after_s
+    assert wait is not None
+    now[0] += wait
+    back = asyncio.ensure_future(dispatcher.acquire(ask(identity=b"late")))
+    await settle()
+    pushed_out = first.exception()
+    assert isinstance(pushed_out, Overloaded) and pushed_out.reason == "queue_full"
+    assert not back.done()
+    held.release()
+    await settle()
+    assert isinstance(back.result(), Grant)
+    # Without an identity a request keeps no turn: refused, and refused again when back.
+    anonymous = fleet("http://w0", batch=1, limits=QueueLimits(max_queued=0))
+    await anonymous.acquire(ask())
+    for _ in range(2):
+        with pytest.raises(Overloaded):
+            await anonymous.acquire(ask())
+    assert not anonymous.turns
 
 
 async def test_queued_requests_get_503_when_no_worker_is_healthy() -> None:

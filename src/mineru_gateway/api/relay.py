@@ -207,6 +207,7 @@ class Relay:
                 request.model,
                 exchange.document,
                 request.cost.prompt.kind,
+                None if request.cache_tag is None else request.cache_tag.digest,
             )
             if exchange.trace is not None:
                 exchange.trace.admitted(tenant.name, request, exchange.document)

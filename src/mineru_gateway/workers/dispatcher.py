@@ -40,6 +40,7 @@ from mineru_gateway.flow import (
     CostDrain,
     DrainRate,
     FairQueue,
+    KeptTurns,
     Rejected,
     RoomPolicy,
     TenantPolicy,
@@ -63,6 +64,9 @@ class Admission:
     model: str | None
     document: str | None = None  # its flow inside the tenant (flow.py)
     kind: PromptKind = PromptKind.OTHER
+    # The same request sent again has the same identity (its cache key): a refused one keeps
+    # its turn by it (flow.py's KeptTurns). None: it keeps none.
+    identity: bytes | None = None
 
 
 class Grant:
@@ -130,6 +134,7 @@ class Dispatcher:
         self.enabled = enabled
         self.drain_rate = DrainRate()
         self.cost_drain = CostDrain()
+        self.turns = KeptTurns()
         self._seeking: asyncio.Task[None] | None = None  # `_seek_slots`, while it runs
         # Tenant -> fleet-wide slots held for its queued requests: a tenant's slots are alike,
         # so the one its queue serves next takes one, whichever request brought it.
@@ -282,15 +287,17 @@ class Dispatcher:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(admission, future)
         ticket.handle = waiter
+        if self.turns and admission.identity is not None:
+            ticket.returning = self.turns.back(admission.identity, self._clock())
         try:
             shed = self.queue.push(ticket)
         except Rejected as rejected:
             self.give_back(permit)
-            raise self._overloaded(rejected.why, str(rejected)) from None
+            raise self._refuse(ticket, rejected.why, str(rejected)) from None
         if permit is not None:
             self._keep_spare(ticket.name, [permit])
         for victim in shed:
-            self._fail(victim, self._overloaded("queue_full", "the gateway's queue is full"))
+            self._fail(victim, self._refuse(victim, victim.shed_why, SHED[victim.shed_why]))
         if not ticket.queued:
             return await future  # shed at once: the future carries the error
         waiter.timer = asyncio.get_running_loop().call_later(
@@ -461,7 +468,7 @@ class Dispatcher:
         waiter = _waiter(ticket)
         waiter.timer = None
         wait = self.queue.limits.max_wait_s
-        self._fail(ticket, self._overloaded("queue_timeout", f"waited {wait:g} s in the queue"))
+        self._fail(ticket, self._refuse(ticket, "queue_timeout", f"waited {wait:g} s in the queue"))
 
     def _fail(self, ticket: Ticket, error: GatewayError) -> None:
         self._remove(ticket)
@@ -479,6 +486,16 @@ class Dispatcher:
         self._closed = error or ShuttingDown("the gateway is shutting down; retry later")
         self.fail_all(self._closed)
 
+    def _refuse(self, ticket: Ticket, why: str, detail: str) -> Overloaded:
+        """The 429 for a queued or arriving request; by its identity, the request keeps its
+        turn for when its `Retry-After` sends it back (flow.py's KeptTurns)."""
+        error = self._overloaded(why, detail)
+        identity = _waiter(ticket).admission.identity
+        if identity is not None:
+            now = self._clock()
+            self.turns.keep(identity, now + (error.retry_after_s or 0.0), now)
+        return error
+
     def _overloaded(self, why: str, detail: str) -> Overloaded:
         now = self._clock()
         retry = self.drain_rate.retry_after(len(self.queue), now)
@@ -493,6 +510,13 @@ class Dispatcher:
         if waiter.timer is not None:
             waiter.timer.cancel()
             waiter.timer = None
+
+
+# What a request pushed out of the queue is told, by why (flow.py's `Ticket.shed_why`).
+SHED = {
+    "queue_full": "the gateway's queue is full",
+    "tenant_queue_full": "its tenant's queue is full",
+}
 
 
 def _waiter(ticket: Ticket) -> _Waiter:
