@@ -223,72 +223,95 @@ def test_a_full_queue_sheds_the_newest_request_of_the_tenant_holding_most_of_it(
     assert len(queue) == 10
 
 
-def returning(tenant: TenantPolicy, *, size: int = 1) -> Ticket:
-    """A request back on the turn its refusal kept (flow.py's KeptTurns)."""
-    back = ticket(tenant, size=size)
-    back.returning = True
-    return back
+def back(refused: Ticket) -> Ticket:
+    """`refused` sent again, on the turn its refusal kept (flow.py's KeptTurns)."""
+    again = ticket(refused.tenant, size=refused.size)
+    again.first_seq = refused.seq
+    return again
 
 
-def test_a_full_queue_sheds_a_new_request_before_one_back_on_its_turn() -> None:
-    queue = FairQueue(QueueLimits(max_queued=3))
-    fresh = [ticket(A), ticket(A, kind=PromptKind.TEXT), ticket(A)]
-    for item in fresh:
-        queue.push(item)
-    back = returning(A)
-    assert queue.push(back) == [fresh[-1]]  # the newest new one goes, wherever it is queued
-    assert fresh[-1].shed_why == "queue_full"
-    second = returning(A)
-    assert queue.push(second) == [fresh[1]]
-    newcomer = ticket(A)  # new, into a queue full of returning ones and one older new one
+def test_a_full_queue_sheds_what_came_first_most_recently() -> None:
+    queue = FairQueue(QueueLimits(max_queued=2))
+    a, b, late = ticket(A), ticket(A, kind=PromptKind.TEXT), ticket(A)
+    queue.push(a)
+    queue.push(b)
+    assert queue.push(late) == [late]  # refused: it came last
+    assert list(drain(queue, 1)) == [b]  # block requests first (ordered steps)
+    meanwhile = ticket(A)  # takes the place as soon as it is free
+    assert queue.push(meanwhile) == []
+    returning = back(late)
+    assert queue.push(returning) == [meanwhile]  # `late` came first: `meanwhile` goes
+    assert meanwhile.shed_why == "queue_full" and returning.queued
+    # Back again: the newest, but nothing that came after it first is left to push out, so
+    # it waits past the limit (up to twice it) rather than being refused on its turn.
+    again = back(meanwhile)
+    assert queue.push(again) == [] and len(queue) == 3
+    newcomer = ticket(A)
     assert queue.push(newcomer) == [newcomer]
-    third = returning(A)
-    assert queue.push(third) == [fresh[0]]
-    # Only returning requests left: the newest of them goes, as any would.
-    fourth = returning(A)
-    assert queue.push(fourth) == [fourth]
-    assert [item.returning for item in queue.tickets()] == [True, True, True]
+    assert [item.seq for item in queue.tickets()] == [a.seq, late.seq, meanwhile.seq]
+    queue.push(extra := ticket(A))
+    assert queue.push(back(extra)) == []
+    assert len(queue) == 4  # twice the limit, all returning
+    assert queue.push(late_again := ticket(A)) == [late_again]
+    assert queue.push(last := back(late_again)) == [last]
 
 
-def test_a_returning_request_takes_a_new_ones_place_under_its_tenants_limit() -> None:
+def test_a_returning_request_takes_a_later_ones_place_under_its_tenants_limit() -> None:
     small = TenantPolicy("small", max_queued=2)
     queue = FairQueue()
-    waiting = [ticket(small), ticket(small)]
-    for item in waiting:
-        queue.push(item)
-    back = returning(small)
-    assert queue.push(back) == [waiting[-1]]
-    assert waiting[-1].shed_why == "tenant_queue_full" and back.queued
+    first, second = ticket(small), ticket(small)
+    queue.push(first)
+    queue.push(second)
     with pytest.raises(Rejected) as full:
-        queue.push(ticket(small))
+        queue.push(late := ticket(small))
     assert full.value.why == "tenant_queue_full"
-    assert queue.push(returning(small)) == [waiting[0]]
-    with pytest.raises(Rejected):  # nothing new left to push out
-        queue.push(returning(small))
-    assert len(queue) == 2 and queue.queued_of("small") == 2
+    list(drain(queue, 1))
+    queue.push(meanwhile := ticket(small))
+    assert queue.push(back(late)) == [meanwhile]
+    assert meanwhile.shed_why == "tenant_queue_full"
+    assert queue.push(back(meanwhile)) == []  # the newest: it waits, past the limit
+    assert queue.queued_of("small") == 3
+    with pytest.raises(Rejected):
+        queue.push(refused := ticket(small))
+    assert queue.push(back(refused)) == []
+    with pytest.raises(Rejected):
+        queue.push(again := ticket(small))
+    with pytest.raises(Rejected) as twice:  # twice the limit is as far as returning ones go
+        queue.push(back(again))
+    assert twice.value.why == "tenant_queue_full" and queue.queued_of("small") == 4
     # The byte limit holds for returning requests too: nothing is pushed out for bytes.
-    bytes_capped = TenantPolicy("bytes", max_queued=1, max_queued_bytes=10)
-    old = ticket(bytes_capped, size=5)
-    queue.push(old)
+    capped = TenantPolicy("bytes", max_queued=1, max_queued_bytes=10)
+    queue = FairQueue()
+    queue.push(ticket(capped, size=5))
+    with pytest.raises(Rejected):
+        queue.push(refused := ticket(capped, size=6))
+    list(drain(queue, 1))
+    queue.push(meanwhile := ticket(capped, size=5))
     with pytest.raises(Rejected) as too_big:
-        queue.push(returning(bytes_capped, size=6))
-    assert too_big.value.why == "tenant_queue_bytes_full" and old.queued
+        queue.push(back(refused))
+    assert too_big.value.why == "tenant_queue_bytes_full" and meanwhile.queued
 
 
 def test_kept_turns_come_back_at_their_slot_once_and_are_bounded() -> None:
     turns = KeptTurns(grace_s=120.0, max_kept=3)
-    turns.keep(b"a", back_at=10.0, now=0.0)
-    assert not turns.back(b"a", now=5.0)  # early: not back on its turn
-    assert turns.back(b"a", now=9.9)  # on time, within a timer's slack
-    assert not turns.back(b"a", now=11.0)  # used up
-    assert not turns.back(b"unknown", now=11.0)
-    turns.keep(b"late", back_at=10.0, now=0.0)
-    assert not turns.back(b"late", now=131.0)  # its turn lapsed
-    for name in (b"1", b"2", b"3", b"4"):
-        turns.keep(name, back_at=200.0, now=100.0)
-    assert len(turns) == 3 and not turns.back(b"1", now=200.0)  # the oldest went
-    turns.keep(b"5", back_at=400.0, now=330.0)  # the others lapsed meanwhile
-    assert len(turns) == 1 and turns.back(b"5", now=400.0)
+    turns.keep(b"a", back_at=10.0, first_seq=7, now=0.0)
+    assert turns.back(b"a", now=5.0) == 0  # early: not back on its turn
+    assert turns.back(b"a", now=9.9) == 7  # on time, within a timer's slack
+    assert turns.back(b"a", now=11.0) == 0  # used up
+    assert turns.back(b"unknown", now=11.0) == 0
+    turns.keep(b"late", back_at=10.0, first_seq=8, now=0.0)
+    assert turns.back(b"late", now=131.0) == 0  # its turn lapsed
+    for seq, name in enumerate((b"1", b"2", b"3", b"4"), start=1):
+        turns.keep(name, back_at=200.0, first_seq=seq, now=100.0)
+    assert len(turns) == 3 and turns.back(b"1", now=200.0) == 0  # the oldest went
+    turns.keep(b"5", back_at=400.0, first_seq=5, now=330.0)  # the others lapsed meanwhile
+    assert len(turns) == 1 and turns.back(b"5", now=400.0) == 5
+    # Requests with the same body (a block every page has) each keep a turn of their own.
+    turns.keep(b"same", back_at=500.0, first_seq=10, now=400.0)
+    turns.keep(b"same", back_at=505.0, first_seq=11, now=401.0)
+    assert turns.back(b"same", now=500.0) == 10
+    assert turns.back(b"same", now=501.0) == 0  # the other one's slot is later
+    assert turns.back(b"same", now=505.0) == 11 and not turns
 
 
 def test_a_full_byte_budget_sheds_by_bytes_over_weight() -> None:

@@ -54,6 +54,7 @@ so a snapshot shows some waiting at any load.
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -172,10 +173,15 @@ class Ticket:
     handle: Any = None  # the caller's (the dispatcher's future), opaque here
     queued: bool = False
     seq: int = 0  # arrival order in the queue, set by `push`
-    # Back at the time a refusal's Retry-After gave it (`KeptTurns`): a full queue sheds
-    # requests that are not before it (docs/flow-control.md, "Backpressure").
-    returning: bool = False
+    # Back on the turn a refusal kept (`KeptTurns`): the `seq` it had when it first came, which
+    # `push` gives it again, so a full queue sheds requests that came after it first
+    # (docs/flow-control.md, "Backpressure"). 0: it comes for the first time.
+    first_seq: int = 0
     shed_why: str = "queue_full"  # why `push` pushed it out, when it did
+
+    @property
+    def returning(self) -> bool:
+        return self.first_seq > 0
 
     @property
     def name(self) -> str:
@@ -342,29 +348,21 @@ class _TenantQueue:
         return best
 
     def newest(self) -> Ticket:
-        """What a full queue sheds first: the most recent arrival not back on a kept turn, else
-        the most recent arrival."""
-        return self.newest_fresh() or max(self._tails(), key=lambda t: t.seq)
-
-    def newest_fresh(self) -> Ticket | None:
-        """The most recent arrival not back on a kept turn, if any."""
-        if self.returning == 0:
-            return max(self._tails(), key=lambda t: t.seq, default=None)
-        fresh = [
-            found
-            for queue in self.flows.values()
-            for tickets in (queue.blocks, queue.rest)
-            if (found := next((t for t in reversed(tickets) if not t.returning), None))
-        ]
-        return max(fresh, key=lambda t: t.seq, default=None)
-
-    def _tails(self) -> list[Ticket]:
-        return [
-            tickets[-1]
-            for queue in self.flows.values()
-            for tickets in (queue.blocks, queue.rest)
-            if tickets
-        ]
+        """What a full queue sheds first: the one that came first most recently (the highest
+        `seq`; a returning request has the one it first had)."""
+        lists = [t for queue in self.flows.values() for t in (queue.blocks, queue.rest) if t]
+        if self.returning == 0:  # in arrival order: each list's newest is its last
+            return max((tickets[-1] for tickets in lists), key=lambda t: t.seq)
+        newest = lists[0][-1]
+        for tickets in lists:
+            # A returning request is appended with its older seq; those before a list's last
+            # new request came before that one.
+            for ticket in reversed(tickets):
+                if ticket.seq > newest.seq:
+                    newest = ticket
+                if not ticket.returning:
+                    break
+        return newest
 
     def remove(self, ticket: Ticket) -> None:
         queue = self.flows[ticket.flow]
@@ -419,8 +417,10 @@ class FairQueue:
     def push(self, ticket: Ticket) -> list[Ticket]:
         """Queues `ticket`; returns the tickets pushed out to make room (longest-queue drop),
         which may be `ticket` itself. Raises Rejected when its tenant's own limit is reached,
-        unless `ticket` is back on a kept turn and the tenant has a request queued that is not:
-        that one is pushed out instead."""
+        unless `ticket` is back on a kept turn and the tenant's newest queued request came after
+        it first: that one is pushed out instead."""
+        self._seq += 1
+        ticket.seq = ticket.first_seq or self._seq
         state = self._tenant(ticket.tenant)
         displaced = self._check_tenant(state, ticket)
         if displaced:  # the tenant may have been forgotten with the request pushed out
@@ -430,8 +430,6 @@ class FairQueue:
         tenant_queue = queues.get(ticket.name)
         if tenant_queue is None:
             tenant_queue = queues[ticket.name] = _TenantQueue(self.limits.order_steps)
-        self._seq += 1
-        ticket.seq = self._seq
         tenant_queue.append(ticket, flow)
         flow.queued += 1
         self._count(state, ticket, +1)
@@ -447,9 +445,16 @@ class FairQueue:
         _, queued, queued_bytes = self._others(policy.name)
         queued += state.queued
         victim = None
-        if policy.max_queued is not None and queued >= policy.max_queued:
-            victim = self._newest_fresh_of(policy.name) if ticket.returning else None
-            if victim is None or queued > policy.max_queued:
+        limit = policy.max_queued
+        if limit is not None and queued >= limit:
+            victim = self._newest_of(policy.name) if ticket.returning else None
+            if victim is not None and victim.seq < ticket.seq:
+                # Nothing that came after it first is left: back on its turn, it waits, up to
+                # twice the limit.
+                victim = None
+                if queued < 2 * limit:
+                    limit = None
+            if limit is not None and (victim is None or queued > limit):
                 raise Rejected(
                     "tenant_queue_full",
                     f"tenant {policy.name!r} already has {queued} requests queued "
@@ -467,32 +472,37 @@ class FairQueue:
         victim.shed_why = "tenant_queue_full"
         return [victim]
 
-    def _newest_fresh_of(self, tenant: str) -> Ticket | None:
-        """The tenant's most recent queued arrival not back on a kept turn, in its least urgent
-        band that has one."""
-        for priority in sorted(self._bands, reverse=True):
-            queue = self._bands[priority].queues.get(tenant)
-            found = queue.newest_fresh() if queue is not None else None
-            if found is not None:
-                return found
-        return None
+    def _newest_of(self, tenant: str) -> Ticket | None:
+        """What the tenant's full queue sheds first, in its least urgent band."""
+        bands = [priority for priority, band in self._bands.items() if tenant in band.queues]
+        if not bands:
+            return None
+        return self._bands[max(bands)].queues[tenant].newest()
 
     def _shed(self) -> list[Ticket]:
         shed: list[Ticket] = []
-        while self.queued > self.limits.max_queued:
-            shed.append(self._drop_longest(by_bytes=False))
+        limit = self.limits.max_queued
+        while self.queued > limit:
+            victim = self._longest_newest(by_bytes=False)
+            if victim.returning and self.queued <= 2 * limit:
+                break  # back on its turn, nothing that came after it first is left: it waits
+            shed.append(self._drop(victim))
         while self.queued_bytes > self.limits.max_queued_bytes:
-            shed.append(self._drop_longest(by_bytes=True))
+            shed.append(self._drop(self._longest_newest(by_bytes=True)))
         return shed
 
-    def _drop_longest(self, *, by_bytes: bool) -> Ticket:
+    def _longest_newest(self, *, by_bytes: bool) -> Ticket:
+        """What a full queue sheds: the newest request (`_TenantQueue.newest`) of the tenant
+        holding most of the queue for its weight."""
         state = max(
             (s for s in self._tenants.values() if s.queued),
             key=lambda s: s.share(by_bytes),
         )
-        name = state.policy.name
-        least_urgent = max(p for p, band in self._bands.items() if name in band.queues)
-        victim = self._bands[least_urgent].queues[name].newest()
+        victim = self._newest_of(state.policy.name)
+        assert victim is not None
+        return victim
+
+    def _drop(self, victim: Ticket) -> Ticket:
         self.remove(victim)
         victim.shed_why = "queue_full"
         return victim
@@ -769,12 +779,12 @@ class DrainRate:
 class KeptTurns:
     """The requests refused lately, by identity, and when their `Retry-After` sends them back.
 
-    A client that honours `Retry-After` comes back at its slot; a full queue then pushes out a
-    request that is not coming back before it pushes out one that is (`Ticket.returning`,
-    `FairQueue.push`). Without this a refused request loses its place again to whatever
-    arrived the moment room appeared (MinerU's client sends its next request the moment one
-    ends) and runs out of retries (docs/flow-control.md, "Backpressure"). Bounded: a turn
-    lapses `grace_s` after its slot, and past `max_kept` the oldest go.
+    A client that honours `Retry-After` comes back at its slot, and is queued by when it first
+    came (`Ticket.first_seq`): a full queue pushes out whatever came after it first, new or
+    returning, before it (`FairQueue.push`). Without this a refused request loses its place
+    again to whatever arrived the moment room appeared (MinerU's client sends its next request
+    the moment one ends) and runs out of retries (docs/flow-control.md, "Backpressure").
+    Bounded: a turn lapses `grace_s` after its slot, and past `max_kept` the oldest go.
     """
 
     # `Retry-After` is its slot rounded up to whole seconds; a client's timer may fire a little
@@ -784,31 +794,56 @@ class KeptTurns:
     def __init__(self, grace_s: float = 120.0, max_kept: int = 65_536) -> None:
         self.grace_s = grace_s
         self.max_kept = max_kept
-        self._back_at: dict[bytes, float] = {}  # identity -> its slot, the oldest kept first
+        # identity -> its kept turns (slot, the seq it first had), earliest slot first: requests
+        # with the same body (a block every page has) are refused and come back each on its own
+        self._turns: dict[bytes, list[tuple[float, int]]] = {}
+        self._kept = 0
+        self._lapsing: deque[tuple[float, bytes]] = deque()  # (lapses at, identity), in order
 
     def __len__(self) -> int:
-        return len(self._back_at)
+        return self._kept
 
-    def keep(self, identity: bytes, back_at: float, now: float) -> None:
-        kept = self._back_at
-        kept.pop(identity, None)
-        kept[identity] = back_at
-        while len(kept) > self.max_kept:
-            del kept[next(iter(kept))]
-        while kept:  # lapsed turns, the oldest kept first (slots come in about that order)
-            old, slot = next(iter(kept.items()))
-            if slot + self.grace_s > now:
-                break
-            del kept[old]
+    def keep(self, identity: bytes, back_at: float, first_seq: int, now: float) -> None:
+        """The refused request `identity`, to come back at `back_at`, first queued as
+        `first_seq` (`Ticket.seq`)."""
+        insort(self._turns.setdefault(identity, []), (back_at, first_seq))
+        self._kept += 1
+        self._lapsing.append((back_at + self.grace_s, identity))
+        self._lapse(now)
+        while self._kept > self.max_kept:  # the turns of the oldest refusals go first
+            _, identity = self._lapsing.popleft()
+            self._drop(identity, lambda turns: turns[:1])
 
-    def back(self, identity: bytes, now: float) -> bool:
-        """Whether the request is back on a kept turn now (its turn is used up if so). One
-        back before its slot is not: refused again, it is given a later one."""
-        back_at = self._back_at.get(identity)
-        if back_at is None or now < back_at - self.EARLY_S:
-            return False
-        del self._back_at[identity]
-        return now <= back_at + self.grace_s
+    def back(self, identity: bytes, now: float) -> int:
+        """The seq the request first had if it is back on a kept turn now (the turn is used up
+        then), else 0. One back before its slot is not: refused again, it gets a later one."""
+        self._lapse(now)
+        turns = self._turns.get(identity)
+        if not turns or now < turns[0][0] - self.EARLY_S:
+            return 0
+        _, first_seq = turns.pop(0)
+        self._kept -= 1
+        if not turns:
+            del self._turns[identity]
+        return first_seq
+
+    def _lapse(self, now: float) -> None:
+        lapsing, grace = self._lapsing, self.grace_s
+        while lapsing and lapsing[0][0] <= now:
+            _, identity = lapsing.popleft()
+            self._drop(identity, lambda turns: [t for t in turns if t[0] + grace <= now])
+
+    def _drop(
+        self, identity: bytes, which: Callable[[list[tuple[float, int]]], list[tuple[float, int]]]
+    ) -> None:
+        turns = self._turns.get(identity)
+        if not turns:
+            return
+        for turn in which(turns):
+            turns.remove(turn)
+            self._kept -= 1
+        if not turns:
+            del self._turns[identity]
 
 
 # -- how long the queue takes to drain ---------------------------------------------------------

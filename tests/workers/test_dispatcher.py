@@ -165,13 +165,17 @@ async def test_a_refused_request_back_at_its_retry_after_keeps_its_turn() -> Non
     assert early.value.reason == "queue_full" and not first.done()
     wait = early.value.retry_after_s
     assert wait is not None
+    held.release()  # `first` goes to the worker; the queue's place is free
+    await settle()
+    meanwhile = asyncio.ensure_future(dispatcher.acquire(ask(identity=b"meanwhile")))
+    await settle()
     now[0] += wait
     back = asyncio.ensure_future(dispatcher.acquire(ask(identity=b"late")))
     await settle()
-    pushed_out = first.exception()
+    pushed_out = meanwhile.exception()
     assert isinstance(pushed_out, Overloaded) and pushed_out.reason == "queue_full"
     assert not back.done()
-    held.release()
+    first.result().release()
     await settle()
     assert isinstance(back.result(), Grant)
     # Without an identity a request keeps no turn: refused, and refused again when back.

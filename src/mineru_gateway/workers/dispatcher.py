@@ -288,7 +288,7 @@ class Dispatcher:
         waiter = _Waiter(admission, future)
         ticket.handle = waiter
         if self.turns and admission.identity is not None:
-            ticket.returning = self.turns.back(admission.identity, self._clock())
+            ticket.first_seq = self.turns.back(admission.identity, self._clock())
         try:
             shed = self.queue.push(ticket)
         except Rejected as rejected:
@@ -493,7 +493,7 @@ class Dispatcher:
         identity = _waiter(ticket).admission.identity
         if identity is not None:
             now = self._clock()
-            self.turns.keep(identity, now + (error.retry_after_s or 0.0), now)
+            self.turns.keep(identity, now + (error.retry_after_s or 0.0), ticket.seq, now)
         return error
 
     def _overloaded(self, why: str, detail: str) -> Overloaded:
