@@ -32,8 +32,8 @@ How mineru-vl-utils 2.0.7 behaves (read from its source, seen in the runs):
 """
 
 WHY_NOTES = """\
-How a shedding gateway spaces MinerU's retries (`DrainRate` in src/mineru_gateway/flow.py,
-docs/flow-control.md), and where that stops being enough:
+How a shedding gateway spaces MinerU's retries and keeps their turns (`DrainRate` and
+`KeptTurns` in src/mineru_gateway/flow.py, docs/flow-control.md):
 
 - One `Retry-After` for every refused request would lose pages: one MinerU client keeps 100
   requests outstanding, so those refused together would come back together, a few would fit and
@@ -44,13 +44,17 @@ docs/flow-control.md), and where that stops being enough:
   span), not dispatches, so the burst that fills idle workers at the onset does not count;
   before the first completions a pace of 1 per second is assumed. Refused requests come back
   spread over the time the fleet needs for them.
-- Where it stops: a page is a layout request and then ~22 block requests, so the refused
-  demand can need more than the 120 s MinerU honours, and 4 attempts; then pages fail (the
-  table's failed column).
-- What it costs: while refused requests sleep, the queue can run empty and workers idle for a
+- A refused request keeps its turn (`KeptTurns`): the client
+  sends its next request the moment one ends, so without it the place a completion frees went
+  to a new request before any refused one was back, and a page's requests, refused again and
+  again, ran out of their 4 attempts. Back on its slot, a request is queued by when it first
+  came: the queue pushes out whatever came after it first (that one gets its own 429 and
+  turn), and if nothing did, it waits past the limit, up to twice it.
+- What it costs: nearly every request of the batch waits out one `Retry-After` (the 429
+  columns), and while refused requests sleep the queue can run empty and workers idle for a
   moment (the slots are an estimate), so a batch through a small queue takes longer than
   through a large one (wall time in the table). Shedding is for floods; for MinerU clients a
-  queue limit above their outstanding requests (96 here) sheds nothing and loses nothing.
+  queue limit above their outstanding requests (96 here) sheds nothing.
 """
 
 SIM_NOTES = """\

@@ -435,7 +435,9 @@ class GatewaySettings(BaseSettings):
         4096,
         ge=0,
         description="Requests the gateway queues in all; past it the newest request of the "
-        "tenant holding most of the queue gets 429.",
+        "tenant holding most of the queue gets 429. A request back when its 429's Retry-After "
+        "said counts as arriving when it first came, and may wait past this, up to twice it "
+        "(docs/flow-control.md).",
     )
     max_queued_bytes: int = Field(
         DEFAULT_MAX_QUEUED_BYTES,

@@ -809,6 +809,10 @@ class KeptTurns:
         insort(self._turns.setdefault(identity, []), (back_at, first_seq))
         self._kept += 1
         self._lapsing.append((back_at + self.grace_s, identity))
+        if len(self._lapsing) > 2 * self.max_kept:  # turns used up leave their entries behind
+            self._lapsing = deque(
+                sorted((t[0] + self.grace_s, i) for i, turns in self._turns.items() for t in turns)
+            )
         self._lapse(now)
         while self._kept > self.max_kept:  # the turns of the oldest refusals go first
             _, identity = self._lapsing.popleft()
@@ -818,6 +822,7 @@ class KeptTurns:
         """The seq the request first had if it is back on a kept turn now (the turn is used up
         then), else 0. One back before its slot is not: refused again, it gets a later one."""
         self._lapse(now)
+        self._drop(identity, lambda turns: [t for t in turns if t[0] + self.grace_s < now])
         turns = self._turns.get(identity)
         if not turns or now < turns[0][0] - self.EARLY_S:
             return 0
