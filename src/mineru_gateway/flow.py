@@ -452,9 +452,10 @@ class FairQueue:
                 # Nothing that came after it first is left: back on its turn, it waits, up to
                 # twice the limit.
                 victim = None
-                if queued < 2 * limit:
-                    limit = None
-            if limit is not None and (victim is None or queued > limit):
+                room = queued < 2 * limit
+            else:  # it takes the place of one that came after it first, if there is one
+                room = victim is not None and queued <= 2 * limit
+            if not room:
                 raise Rejected(
                     "tenant_queue_full",
                     f"tenant {policy.name!r} already has {queued} requests queued "
