@@ -279,6 +279,21 @@ def test_a_returning_request_takes_a_later_ones_place_under_its_tenants_limit() 
     with pytest.raises(Rejected) as twice:  # twice the limit is as far as returning ones go
         queue.push(back(again))
     assert twice.value.why == "tenant_queue_full" and queue.queued_of("small") == 4
+    # Past the limit, a returning request still takes the place of one that came after it.
+    queue = FairQueue()
+    queue.push(ticket(small))
+    queue.push(b := ticket(small))
+    refused = []
+    for _ in range(2):
+        with pytest.raises(Rejected):
+            queue.push(item := ticket(small))
+        refused.append(item)
+    list(drain(queue, 1))
+    queue.push(e := ticket(small))
+    assert queue.push(c := back(refused[0])) == [e]
+    assert queue.push(e_back := back(e)) == []  # the newest: it waits past the limit
+    assert queue.push(d := back(refused[1])) == [e_back]
+    assert list(queue.tickets()) == [b, c, d]
     # The byte limit holds for returning requests too: nothing is pushed out for bytes.
     capped = TenantPolicy("bytes", max_queued=1, max_queued_bytes=10)
     queue = FairQueue()
