@@ -207,6 +207,11 @@ class TenantsElsewhere(Protocol):
         """This replica's counts of the tenant, now."""
 
 
+# How far past `max_queued` (the gateway's, a tenant's) a request back on its kept turn may
+# wait when nothing that came after it first is left to push out, as a multiple of it.
+RETURNING_ROOM = 2
+
+
 @dataclass(frozen=True, slots=True)
 class QueueLimits:
     max_queued: int = 4096
@@ -449,12 +454,11 @@ class FairQueue:
         if limit is not None and queued >= limit:
             victim = self._newest_of(policy.name) if ticket.returning else None
             if victim is not None and victim.seq < ticket.seq:
-                # Nothing that came after it first is left: back on its turn, it waits, up to
-                # twice the limit.
+                # Nothing that came after it first is left: back on its turn, it waits.
                 victim = None
-                room = queued < 2 * limit
+                room = queued < RETURNING_ROOM * limit
             else:  # it takes the place of one that came after it first, if there is one
-                room = victim is not None and queued <= 2 * limit
+                room = victim is not None and queued <= RETURNING_ROOM * limit
             if not room:
                 raise Rejected(
                     "tenant_queue_full",
@@ -485,7 +489,7 @@ class FairQueue:
         limit = self.limits.max_queued
         while self.queued > limit:
             victim = self._longest_newest(by_bytes=False)
-            if victim.returning and self.queued <= 2 * limit:
+            if victim.returning and self.queued <= RETURNING_ROOM * limit:
                 break  # back on its turn, nothing that came after it first is left: it waits
             shed.append(self._drop(victim))
         while self.queued_bytes > self.limits.max_queued_bytes:
@@ -817,13 +821,13 @@ class KeptTurns:
         self._lapse(now)
         while self._kept > self.max_kept:  # the turns of the oldest refusals go first
             _, identity = self._lapsing.popleft()
-            self._drop(identity, lambda turns: turns[:1])
+            self._drop(identity, self._turns.get(identity, [])[:1])
 
     def back(self, identity: bytes, now: float) -> int:
         """The seq the request first had if it is back on a kept turn now (the turn is used up
         then), else 0. One back before its slot is not: refused again, it gets a later one."""
         self._lapse(now)
-        self._drop(identity, lambda turns: [t for t in turns if t[0] + self.grace_s < now])
+        self._drop_lapsed(identity, now)
         turns = self._turns.get(identity)
         if not turns or now < turns[0][0] - self.EARLY_S:
             return 0
@@ -834,20 +838,22 @@ class KeptTurns:
         return first_seq
 
     def _lapse(self, now: float) -> None:
-        lapsing, grace = self._lapsing, self.grace_s
+        lapsing = self._lapsing
         while lapsing and lapsing[0][0] <= now:
             _, identity = lapsing.popleft()
-            self._drop(identity, lambda turns: [t for t in turns if t[0] + grace <= now])
+            self._drop_lapsed(identity, now)
 
-    def _drop(
-        self, identity: bytes, which: Callable[[list[tuple[float, int]]], list[tuple[float, int]]]
-    ) -> None:
-        turns = self._turns.get(identity)
-        if not turns:
+    def _drop_lapsed(self, identity: bytes, now: float) -> None:
+        lapsed = now - self.grace_s
+        self._drop(identity, [t for t in self._turns.get(identity, ()) if t[0] <= lapsed])
+
+    def _drop(self, identity: bytes, gone: list[tuple[float, int]]) -> None:
+        if not gone:
             return
-        for turn in which(turns):
+        turns = self._turns[identity]
+        for turn in gone:
             turns.remove(turn)
-            self._kept -= 1
+        self._kept -= len(gone)
         if not turns:
             del self._turns[identity]
 
